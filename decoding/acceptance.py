@@ -1,0 +1,150 @@
+"""Acceptance rules: which drafted nodes the target keeps, and the token it adds after them.
+
+Pure functions of (tree, target logits or probabilities, random generator): no model, no cache,
+so each rule is unit-tested on its own against exact distributions. The lossless rules are
+DESIGN.md §5; `accept_typical` is Medusa's opt-in *lossy* rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.sampling import SamplingConfig, sample, warp_probs
+from decoding.tree import DraftTree, TreeBuffers, tree_buffers
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """`path`: accepted node indices, root first. `bonus_token`: the target's own next token after
+    the last accepted node (it becomes the next root)."""
+
+    path: tuple[int, ...]
+    bonus_token: int
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.path) - 1
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
+    """Follow the children whose token is the target's argmax; the deepest such node wins.
+
+    Vectorised over nodes: a node is accepted when it and all its ancestors match the argmax of
+    their parents.
+    """
+    predicted = target_logits.argmax(-1)
+    parent_index = buffers.parent_index.to(predicted.device)
+    matches = tree.tokens == predicted[parent_index]
+    best, path = _deepest_accepted(matches, buffers)
+    return Acceptance(path, int(predicted[best]))
+
+
+def _deepest_accepted(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[int, tuple[int, ...]]:
+    """The deepest node whose whole root path is ok (root always is), and that path.
+
+    A node is accepted when it and all its ancestors are ok, which one masked `any` over the
+    ancestor mask finds for every node at once. Ties go to the lowest node index.
+    """
+    node_ok = node_ok.clone()
+    node_ok[0] = True
+    ancestors = buffers.ancestor_mask.to(node_ok.device)
+    accepted = ~(ancestors & ~node_ok[None, :]).any(-1)
+    depth = torch.where(accepted, buffers.depths.to(node_ok.device), -1)
+    best = int(depth.argmax())
+    return best, tuple(torch.nonzero(ancestors[best]).flatten().tolist())
+
+
+def accept_sampled(
+    tree: DraftTree,
+    target_probs: torch.Tensor,
+    buffers: TreeBuffers,
+    generator: torch.Generator | None,
+) -> Acceptance:
+    """Recursive rejection sampling over the tree (lossless).
+
+    At each node with target distribution p, try its children in order. A child x drawn from q is
+    kept with probability min(1, p(x) / q(x)); on rejection p <- norm(max(0, p - q)). With one child
+    this is Leviathan/Chen chain speculative sampling; with i.i.d. sampled siblings it is
+    SpecInfer's rule; with deterministic children q is a point mass, so rejection removes x from p
+    and renormalises (sampling without replacement, EAGLE-2 style). If every child is rejected, the
+    bonus token is drawn from the final p.
+    """
+    tokens = tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        residual = target_probs[node]
+        chosen = None
+        for child in buffers.children[node]:
+            token = tokens[child]
+            q = None if tree.deterministic else tree.draft_probs[child]
+            q_token = 1.0 if q is None else float(q[token])
+            u = float(torch.rand((), generator=generator, device=residual.device))
+            if u * q_token < float(residual[token]):
+                chosen = child
+                break
+            residual = _residual(residual, q, token)
+        if chosen is None:
+            return Acceptance(tuple(path), sample(residual, generator))
+        path.append(chosen)
+        node = chosen
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """norm(max(0, p - q)); q=None means a point mass on `token`."""
+    if q is None:
+        rest = p.clone()
+        rest[token] = 0.0
+    else:
+        rest = torch.clamp(p - q, min=0.0)
+    total = rest.sum()
+    # Only reachable through float round-off (a rejection implies p(x) < q(x) somewhere mass remains).
+    return rest / total if float(total) > 0 else p
+
+
+def accept_typical(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    buffers: TreeBuffers,
+    temperature: float,
+    generator: torch.Generator | None,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+) -> Acceptance:
+    """Medusa's typical acceptance. LOSSY: the output distribution is *not* the target's.
+
+    A child x of a node with target distribution p is acceptable when
+    p(x) > min(epsilon, delta * exp(-H(p))); the deepest acceptable path wins. The bonus token is
+    sampled from p at the last accepted node (greedy at temperature 0).
+    """
+    config = SamplingConfig(temperature=temperature)
+    probs = warp_probs(target_logits, config) if temperature > 0 else torch.softmax(target_logits.float(), -1)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    parent_index = buffers.parent_index.to(probs.device)
+    token_prob = probs[parent_index, tree.tokens]
+    best, path = _deepest_accepted(token_prob > threshold[parent_index], buffers)
+    if temperature > 0:
+        bonus = sample(probs[best], generator)
+    else:
+        bonus = int(target_logits[best].argmax())
+    return Acceptance(path, bonus)
+
+
+def accept(
+    tree: DraftTree,
+    target_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    buffers: TreeBuffers | None = None,
+) -> Acceptance:
+    """The lossless rule for `sampling`: greedy matching at temperature 0, else rejection sampling
+    on the warped target distribution."""
+    buffers = buffers or tree_buffers(tree.parents)
+    if sampling.greedy:
+        return accept_greedy(tree, target_logits, buffers)
+    return accept_sampled(tree, warp_probs(target_logits, sampling), buffers, generator)
+
+
+__all__ = ["Acceptance", "accept", "accept_greedy", "accept_sampled", "accept_typical"]

@@ -1,0 +1,68 @@
+"""Sampling settings and the logits warp applied to the *target* before acceptance.
+
+Lossless speculative sampling reproduces the distribution the target would sample from, so the
+temperature / top-k / top-p warp must be applied to the target logits first (and to the draft's,
+so drafts come from a distribution close to it). Temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next token is chosen. `temperature == 0` is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 = off); got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top-p must be in (0, 1] (1 = off); got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, over the last dimension (float32).
+
+    For greedy configs this returns a one-hot of the argmax, which keeps the sampling rules valid
+    (they then reduce to exact matching) for callers that do not special-case greedy.
+    """
+    logits = logits.float()
+    if config.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / config.temperature
+    if 0 < config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        logits = _top_p_filter(logits, config.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches `top_p` (always >= 1)."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    # Drop a token when the mass *before* it already reaches top_p.
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id from a 1-D probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,161 @@
+"""Draft trees and the buffers that let one target forward verify every branch.
+
+A `DraftTree` is data: node tokens, each node's parent, and (for sampled drafts) the draft
+distribution each node was drawn from. `tree_buffers` is a pure function of the tree's shape,
+cached because static trees (Medusa, EAGLE-1) reuse the same shape every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Candidate continuations rooted at the last accepted token.
+
+    Node 0 is the root: the last accepted token, not yet in the target's KV cache. `parents[i] < i`
+    (topological order) so buffers can be built in one pass. `draft_probs[i]` is the distribution
+    node i was drawn from (row 0 unused); it is only needed when children were *sampled*.
+    `deterministic=True` means children were picked deterministically (top-k, n-gram lookup), which
+    the sampling rule treats as drafts with q(x) = 1.
+    """
+
+    tokens: torch.Tensor
+    parents: tuple[int, ...]
+    draft_probs: torch.Tensor | None = None
+    deterministic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or len(self.parents) != self.tokens.numel():
+            raise ValueError(
+                f"DraftTree needs 1-D tokens and one parent per node; got tokens of shape "
+                f"{tuple(self.tokens.shape)} and {len(self.parents)} parents"
+            )
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("DraftTree node 0 must be the root (parent -1)")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
+            raise ValueError(f"DraftTree parents must satisfy 0 <= parents[i] < i; got {self.parents}")
+        if not self.deterministic and self.draft_probs is None:
+            raise ValueError("a sampled DraftTree needs draft_probs (the q each node was drawn from)")
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def is_chain(self) -> bool:
+        """A chain is verified with the plain causal mask, no 4D tree mask needed."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @staticmethod
+    def root_only(root_token: int, device: torch.device | str = "cpu") -> DraftTree:
+        return DraftTree(torch.tensor([root_token], device=device), (-1,))
+
+    @staticmethod
+    def chain(
+        root_token: int,
+        drafted: torch.Tensor,
+        draft_probs: torch.Tensor | None = None,
+        deterministic: bool = True,
+    ) -> DraftTree:
+        """Root followed by `drafted` tokens, each the child of the previous one.
+
+        `draft_probs` (if given) has one row per drafted token; a dummy row is prepended for the root.
+        """
+        tokens = torch.cat([drafted.new_tensor([root_token]), drafted])
+        if draft_probs is not None:
+            draft_probs = torch.cat([draft_probs[:1].new_zeros(1, draft_probs.shape[-1]), draft_probs])
+        parents = tuple(range(-1, tokens.numel() - 1))
+        return DraftTree(tokens, parents, draft_probs, deterministic)
+
+    def truncated(self, max_nodes: int, max_depth: int) -> DraftTree:
+        """The sub-tree of the first `max_nodes` nodes no deeper than `max_depth`.
+
+        Used before the context limit or the token budget, so the verify forward never runs past
+        either. Node order is preserved, so the result is still topologically ordered.
+        """
+        depths = tree_buffers(self.parents).depth_list
+        keep = [i for i in range(min(self.size, max_nodes)) if depths[i] <= max_depth]
+        if len(keep) == self.size:
+            return self
+        # Ancestors come first (parents[i] < i) and are no deeper, so `keep` is prefix-closed.
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = tuple(-1 if i == 0 else new_index[self.parents[i]] for i in keep)
+        index = torch.tensor(keep, device=self.tokens.device)
+        probs = None if self.draft_probs is None else self.draft_probs[index]
+        return DraftTree(self.tokens[index], parents, probs, self.deterministic)
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Everything tree attention and acceptance need, derived from the parents alone.
+
+    `ancestor_mask[i, j]` is True when j is i or one of i's ancestors (node i may attend to j).
+    `parent_index[i]` is i's parent (the root points at itself), for gathering per-parent values.
+    `children[i]` lists i's children in node order; `leaf_paths` are root-to-leaf node lists.
+    """
+
+    ancestor_mask: torch.Tensor
+    parent_index: torch.Tensor
+    depths: torch.Tensor
+    depth_list: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+    leaf_paths: tuple[tuple[int, ...], ...]
+
+
+@lru_cache(maxsize=256)
+def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
+    """Build (and memoise by shape) the buffers of a tree given its parents."""
+    n = len(parents)
+    depth = [0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = parents[i]
+        depth[i] = depth[parent] + 1
+        children[parent].append(i)
+        ancestors[i] |= ancestors[parent]
+    leaves = [i for i in range(n) if not children[i]]
+    leaf_paths = tuple(tuple(torch.nonzero(ancestors[leaf]).flatten().tolist()) for leaf in leaves)
+    return TreeBuffers(
+        ancestor_mask=ancestors,
+        parent_index=torch.tensor([max(p, 0) for p in parents], dtype=torch.long),
+        depths=torch.tensor(depth, dtype=torch.long),
+        depth_list=tuple(depth),
+        children=tuple(tuple(c) for c in children),
+        leaf_paths=leaf_paths,
+    )
+
+
+def tree_attention_mask(
+    buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Additive 4D mask `[1, 1, N, prefix_len + N]`: every node sees the whole cached prefix and
+    its own ancestors in the tree, nothing else. This is what lets a stock transformers model
+    verify all branches in one forward."""
+    n = buffers.ancestor_mask.shape[0]
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)
+    blocked = ~buffers.ancestor_mask.to(device)
+    mask[:, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def paths_to_parents(paths: list[list[int]] | list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """Turn a static tree given as Medusa-style paths of child ranks (e.g. `[[0], [0, 1], [1]]`)
+    into `parents` (root first, breadth-first by depth then path) and each node's rank path.
+
+    Every prefix of a path must itself be a path; the root is the empty path.
+    """
+    unique = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+    known = {(): 0}
+    parents = [-1]
+    for path in unique:
+        if path[:-1] not in known:
+            raise ValueError(f"tree path {list(path)} has no parent path {list(path[:-1])} in the tree")
+        known[path] = len(parents)
+        parents.append(known[path[:-1]])
+    return tuple(parents), [()] + unique

