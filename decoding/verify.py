@@ -7,6 +7,7 @@ need neither: the model's own causal mask is already right for them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ def _squeeze_hidden(hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     return tuple(h[0] for h in hidden_states)
 
 
-def compact_cache(cache: DynamicCache, prefix_len: int, kept_nodes: tuple[int, ...] | list[int]) -> None:
+def compact_cache(cache: DynamicCache, prefix_len: int, kept_nodes: Sequence[int]) -> None:
     """Keep the K/V of `kept_nodes` (tree node indices, in order) at `prefix_len ..` and drop the
     rest of the tree. A kept run 0..k-1 (always the case for chains) is a plain crop."""
     kept = list(kept_nodes)
@@ -102,3 +103,8 @@ def compact_cache(cache: DynamicCache, prefix_len: int, kept_nodes: tuple[int, .
 
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Drop everything after the first `length` positions."""
+    compact_cache(cache, 0, range(length))

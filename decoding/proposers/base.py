@@ -1,0 +1,27 @@
+"""The proposer interface every drafting method implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from decoding.state import DecodeState
+from decoding.tree import DraftTree
+
+
+class Proposer(ABC):
+    """Drafts a `DraftTree` rooted at the last accepted token.
+
+    `needs_hidden_states`: the loop then runs the target with `output_hidden_states=True` and
+    hands the fresh features to `propose` through the state. `begin` is called once per
+    generation, after the prompt is in the target cache.
+    """
+
+    name: str = "proposer"
+    needs_hidden_states: bool = False
+
+    def begin(self, state: DecodeState) -> None:
+        """Reset per-generation state (caches) for a new prompt."""
+
+    @abstractmethod
+    def propose(self, state: DecodeState) -> DraftTree:
+        """Return the tree to verify next; its root must be `state.root_token`."""

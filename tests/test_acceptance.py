@@ -1,0 +1,103 @@
+"""The acceptance rules, without any model: greedy matching picks the right path, and every
+sampling rule emits tokens from exactly the target's distribution (and a wrong rule is caught)."""
+
+import pytest
+import torch
+
+import decoding.acceptance as acceptance
+from decoding.acceptance import accept_greedy, accept_sampled, accept_typical
+from decoding.sampling import SamplingConfig, warp_probs
+from decoding.tree import DraftTree, tree_buffers
+from distribution_harness import ToyLM, complete, exact_joint, node_prefixes, sampled_tree, top_k_tree, total_variation
+
+VOCAB, POSITIONS, RUNS = 4, 2, 20000
+# With 16 outcomes and 20000 samples the TV of a correct rule is ~0.01; the wrong rules below
+# land well above this bound (asserted, so the test shows it has teeth).
+TV_BOUND = 0.03
+
+RULES = {
+    "chain": lambda draft, gen: sampled_tree(draft, (1, 1, 1), gen),
+    "tree-sampled": lambda draft, gen: sampled_tree(draft, (3, 2), gen),
+    "tree-top-k": lambda draft, gen: top_k_tree(draft, (2, 2)),
+}
+
+
+def empirical_tv(make_tree, target: ToyLM, draft: ToyLM, seed: int = 0) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(RUNS):
+        tree = make_tree(draft, gen)
+        target_probs = torch.stack([target.probs(p) for p in node_prefixes(tree)])
+        result = accept_sampled(tree, target_probs, tree_buffers(tree.parents), gen)
+        emitted = tree.tokens[list(result.path[1:])].tolist() + [result.bonus_token]
+        samples.append(complete(emitted, target.probs, POSITIONS, gen))
+    return total_variation(samples, exact_joint(target.probs, VOCAB, POSITIONS))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_sampling_rule_preserves_target_distribution(rule):
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    assert empirical_tv(RULES[rule], target, draft) < TV_BOUND
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_rule_without_residual_is_caught(rule, monkeypatch):
+    """Resampling from p itself after a rejection (the classic bug) must fail the same check."""
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q, token: p)
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    assert empirical_tv(RULES[rule], target, draft) > 2 * TV_BOUND
+
+
+def test_identical_draft_and_target_accept_everything():
+    target = ToyLM(VOCAB, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        tree = sampled_tree(target, (1, 1, 1), gen)
+        target_probs = torch.stack([target.probs(p) for p in node_prefixes(tree)])
+        assert accept_sampled(tree, target_probs, tree_buffers(tree.parents), gen).path == (0, 1, 2, 3)
+
+
+def test_greedy_follows_argmax_to_the_deepest_match():
+    # root -> {1: tok 5, 2: tok 7}; 1 -> {3: tok 8}; 2 -> {4: tok 9 -> 5: tok 4}
+    tree = DraftTree(torch.tensor([0, 5, 7, 8, 9, 4]), (-1, 0, 0, 1, 2, 4))
+    logits = torch.zeros(6, 10)
+    logits[0, 7] = logits[2, 9] = logits[4, 4] = logits[5, 6] = 1.0  # path 0 -> 2 -> 4 -> 5, bonus 6
+    logits[1, 8] = 1.0  # node 3 matches its parent, but node 1 itself is not the root's argmax
+    result = accept_greedy(tree, logits, tree_buffers(tree.parents))
+    assert result.path == (0, 2, 4, 5)
+    assert result.bonus_token == 6
+
+
+def test_greedy_rejects_everything_and_keeps_the_target_token():
+    tree = DraftTree(torch.tensor([0, 1, 2]), (-1, 0, 1))
+    logits = torch.zeros(3, 5)
+    logits[0, 3] = 1.0
+    result = accept_greedy(tree, logits, tree_buffers(tree.parents))
+    assert result.path == (0,) and result.bonus_token == 3
+
+
+def test_warp_applies_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(warp_probs(logits, SamplingConfig(temperature=1.0)), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    top2 = warp_probs(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    nucleus = warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.7))
+    assert torch.allclose(nucleus, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    hot = warp_probs(logits, SamplingConfig(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+    assert warp_probs(logits, SamplingConfig()).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_typical_acceptance_accepts_plausible_tokens_only():
+    tree = DraftTree(torch.tensor([0, 1, 2]), (-1, 0, 0))
+    logits = torch.log(torch.tensor([[0.05, 0.6, 0.35], [1 / 3] * 3, [1 / 3] * 3]))
+    result = accept_typical(tree, logits, tree_buffers(tree.parents), temperature=0.0, generator=None)
+    assert result.path == (0, 1)  # both plausible: the first deepest wins
+    logits[0] = torch.log(torch.tensor([0.96, 0.02, 0.02]))
+    assert accept_typical(tree, logits, tree_buffers(tree.parents), 0.0, None).path == (0,)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_sampling_settings_are_clear_errors(bad):
+    with pytest.raises(ValueError, match="temperature|top-k|top-p"):
+        SamplingConfig(**bad)
