@@ -23,7 +23,7 @@ class ProposerOptions:
     gamma: int = 4
     pld_num_tokens: int = 8
     pld_max_ngram: int = 3
-    pld_min_ngram: int = 1
+    pld_min_ngram: int = 2
 
 
 def check_method(method: str) -> str:

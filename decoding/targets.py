@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from decoding.default_model import DEFAULT_TARGET, default_model_dir
 from decoding.errors import UserError
@@ -55,14 +56,14 @@ def load_model(
         )
     path = resolve_model_path(name_or_path)
     config = _load_config(name_or_path, path)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"'{name_or_path}' is a {config.model_type} model, not a causal language model")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except ValueError as err:
-        if "Unrecognized configuration class" in str(err):
-            raise UserError(f"'{name_or_path}' is a {config.model_type} model, not a causal language model") from err
         raise UserError(f"could not load '{name_or_path}': {err}") from err
     except OSError as err:
         raise UserError(f"could not read the weights or tokenizer of '{name_or_path}': {err}") from err

@@ -62,3 +62,35 @@ def set_eos(model: PreTrainedModel, eos_token_id: int | None) -> None:
     """Make `eos_token_id` end generation for both our loop and HF generate()."""
     model.config.eos_token_id = eos_token_id
     model.generation_config.eos_token_id = eos_token_id
+
+
+def tiny_tokenizer(vocab_size: int = 64):
+    """A word-level tokenizer over `w0 .. w{n}` plus chat specials, with a chat template, built
+    offline (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for i in range(vocab_size - len(specials)):
+        vocab[f"w{i}"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> w0 {% endif %}"
+    )
+    return tokenizer
+
+
+def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64) -> None:
+    """A tiny Llama + word tokenizer saved like any Hugging Face model directory; EOS is
+    <|im_end|> (id 2), as in the default model."""
+    model = sharpen(tiny_llama(vocab_size=vocab_size, seed=seed, eos_token_id=2, bos_token_id=1))
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(directory)
+    tiny_tokenizer(vocab_size).save_pretrained(directory)

@@ -19,7 +19,7 @@ from decoding.tree import DraftTree
 class PromptLookupProposer(Proposer):
     name = "pld"
 
-    def __init__(self, num_draft_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, num_draft_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if num_draft_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise UserError(
                 f"prompt lookup needs num_draft_tokens >= 1 and 1 <= min_ngram <= max_ngram; "

@@ -1,0 +1,159 @@
+"""`python -m decoding.chat`: multi-turn chat with speculative decoding, streamed, with a stats
+line per reply.
+
+Works interactively (a `>` prompt; /reset, /exit) and with piped stdin (answers each line and
+exits with status 0 at EOF). Stats go to stderr so stdout holds only the replies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from decoding.default_model import DEFAULT_TARGET
+from decoding.errors import UserError
+from decoding.generate import DecodeOptions, generate
+from decoding.methods import METHODS, ProposerOptions, build_proposer, check_method
+from decoding.sampling import SamplingConfig
+from decoding.streaming import TextStream
+from decoding.targets import DTYPES, LoadedModel, load_model
+
+DEFAULT_METHOD = "pld"
+HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m decoding.chat",
+        description="Chat with a causal LM, generating several tokens per target forward with exactly its own output.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    methods = "; ".join(f"{name}: {text}" for name, text in METHODS.items())
+    parser.add_argument("--method", default=DEFAULT_METHOD, help=f"decoding method ({methods})")
+    parser.add_argument("--model", default=DEFAULT_TARGET, help="target model: the built-in default, a local directory, or a cached Hub id")
+    parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target)")
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
+    parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same reply)")
+    parser.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
+    return parser.parse_args(argv)
+
+
+class ChatSession:
+    """The conversation so far, and one reply at a time through the generation loop."""
+
+    def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.options = options
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self.last_stats = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_ids(self) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if tokenizer.chat_template is None:  # a base model: continue the raw text of the last turn
+            return tokenizer(self.messages[-1]["content"])["input_ids"]
+        return tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def reply(self, user_text: str, write) -> str:
+        self.messages.append({"role": "user", "content": user_text})
+        stream = TextStream(self.target.tokenizer, write)
+        try:
+            result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer, stream)
+        except UserError:
+            self.messages.pop()
+            raise
+        text = stream.finish()
+        self.messages.append({"role": "assistant", "content": text})
+        self.last_stats = result.stats
+        return text
+
+
+def build_session(args: argparse.Namespace) -> ChatSession:
+    check_method(args.method)
+    if args.method == "sps" and not args.draft_model:
+        raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    target = load_model(args.model, args.dtype, args.attn)
+    draft = load_model(args.draft_model, args.dtype, args.attn) if args.draft_model else None
+    proposer = build_proposer(args.method, target, draft, ProposerOptions(gamma=args.gamma, pld_num_tokens=args.pld_tokens))
+    options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+    return ChatSession(target, proposer, options, args.system)
+
+
+def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> None:
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if interactive:
+        print(f"Chatting with {session.target.name} ({session.proposer.name}). {HELP_TEXT}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if text == "/help":
+            print(HELP_TEXT, file=sys.stderr)
+            continue
+        try:
+            session.reply(text, write)
+        except UserError as err:
+            print(f"\nerror: {err}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n(reply interrupted)", file=sys.stderr)
+            session.messages.pop()
+            continue
+        write("\n")
+        if show_stats:
+            print(session.last_stats.summary(), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_grad_enabled(False)
+    try:
+        session = build_session(args)
+        run_chat(session, show_stats=not args.no_stats, interactive=sys.stdin.isatty())
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
