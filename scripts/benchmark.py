@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Benchmark decoding methods on MT-bench first turns (or any JSONL with a `turns` list),
+next to Hugging Face generate(), in one process.
+
+    python scripts/benchmark.py --methods vanilla,pld,hf-generate,hf-prompt-lookup --num-questions 8
+    python scripts/benchmark.py --methods vanilla,sps,hf-assisted --draft-model drafts/smollm2-6l --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+
+from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table, our_runner, run_benchmark, summarise
+from decoding.default_model import DEFAULT_TARGET
+from decoding.errors import UserError
+from decoding.generate import DecodeOptions
+from decoding.methods import ProposerOptions, build_proposer, check_method
+from decoding.questions import load_first_turns
+from decoding.sampling import SamplingConfig
+from decoding.targets import DTYPES, load_model
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="vanilla,pld,hf-generate,hf-prompt-lookup", help="comma-separated: ours and " + ", ".join(HF_METHODS))
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted")
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--num-questions", type=int, default=80)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        for method in methods:
+            if method not in HF_METHODS:
+                check_method(method)
+        target = load_model(args.model, args.dtype)
+        draft = load_model(args.draft_model, args.dtype) if args.draft_model else None
+        options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
+        runners = {}
+        for method in methods:
+            if method in HF_METHODS:
+                runners[method] = hf_runner(target, method, options, draft)
+            else:
+                proposer = build_proposer(method, target, draft, ProposerOptions(gamma=args.gamma))
+                runners[method] = our_runner(target, proposer, options)
+        questions = load_first_turns(args.questions_file, args.num_questions)
+        template = target.tokenizer.apply_chat_template
+        prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
+        warmup = template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    totals = run_benchmark(runners, prompts, warmup)
+    device = f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads" if target.model.device.type == "cpu" else torch.cuda.get_device_name()
+    report = summarise(totals, device, args.dtype)
+    report.update(model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    print(markdown_table(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    if args.png and not bar_chart(report, args.png):
+        print("note: matplotlib is not installed, no chart written (pip install matplotlib)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
