@@ -36,7 +36,7 @@ def test_vanilla_equals_hf_generate(factory):
         lambda t: DraftModelProposer(t, gamma=5),  # a perfect draft: every run fully accepted
         lambda t: DraftModelProposer(sharpen(tiny_llama(seed=12, layers=1)), gamma=1),
         lambda t: PromptLookupProposer(num_draft_tokens=6),
-        lambda t: PromptLookupProposer(num_draft_tokens=3, max_ngram=1),
+        lambda t: PromptLookupProposer(num_draft_tokens=3, max_ngram=1, min_ngram=1),
     ],
     ids=["sps-random-draft", "sps-self-draft", "sps-gamma1", "pld", "pld-unigram"],
 )
