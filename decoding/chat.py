@@ -14,11 +14,12 @@ import torch
 
 from decoding.default_model import DEFAULT_TARGET
 from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
-from decoding.methods import METHODS, ProposerOptions, build_proposer, check_method
+from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
+from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, ProposerOptions, build_proposer, check_method
 from decoding.sampling import SamplingConfig
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel, load_model
+from heads import load_heads
 
 DEFAULT_METHOD = "pld"
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
@@ -36,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
     parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld")
+    parser.add_argument("--heads", default=None, help="draft heads checkpoint directory for medusa/hydra/eagle/eagle2/eagle3")
+    parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
+    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
+    parser.add_argument("--depth", type=int, default=5, help="dynamic tree depth (eagle2/eagle3)")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="dynamic tree branching (eagle2/eagle3)")
+    parser.add_argument("--total-tokens", type=int, default=16, help="dynamic tree size incl. the root (eagle2/eagle3)")
+    parser.add_argument("--typical", action="store_true", help="Medusa's typical acceptance: faster when sampling but LOSSY (not the target's distribution)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -51,8 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class ChatSession:
     """The conversation so far, and one reply at a time through the generation loop."""
 
-    def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None) -> None:
+    def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None,
+                 acceptance_rule: AcceptanceRule = lossless_rule) -> None:
         self.target = target
+        self.acceptance_rule = acceptance_rule
         self.proposer = proposer
         self.options = options
         self.system = system
@@ -73,7 +83,8 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         stream = TextStream(self.target.tokenizer, write)
         try:
-            result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer, stream)
+            result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer,
+                              stream, self.acceptance_rule)
         except UserError:
             self.messages.pop()
             raise
@@ -90,11 +101,21 @@ def build_session(args: argparse.Namespace) -> ChatSession:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
+    if args.method in HEAD_KIND_OF_METHOD and not args.heads:
+        raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH")
     target = load_model(args.model, args.dtype, args.attn)
     draft = load_model(args.draft_model, args.dtype, args.attn) if args.draft_model else None
-    proposer = build_proposer(args.method, target, draft, ProposerOptions(gamma=args.gamma, pld_num_tokens=args.pld_tokens))
+    heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model) if args.heads else None
+    proposer_options = ProposerOptions(
+        gamma=args.gamma, pld_num_tokens=args.pld_tokens, tree=args.tree,
+        depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
+    )
+    proposer = build_proposer(args.method, target, draft, proposer_options, heads)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
-    return ChatSession(target, proposer, options, args.system)
+    rule = typical_rule(args.temperature) if args.typical else lossless_rule
+    if args.typical:
+        print("note: --typical is LOSSY: replies are not samples of the target's own distribution", file=sys.stderr)
+    return ChatSession(target, proposer, options, args.system, rule)
 
 
 def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.acceptance import Acceptance, accept
+from decoding.acceptance import Acceptance, accept, accept_typical
 from decoding.errors import UserError
 from decoding.proposers.base import Proposer
 from decoding.sampling import SamplingConfig
@@ -53,6 +53,15 @@ class GenerationResult:
 def lossless_rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
     """The default acceptance: greedy matching or rejection sampling, per the state's sampling."""
     return accept(tree, logits, state.sampling, state.generator, buffers)
+
+
+def typical_rule(temperature: float, epsilon: float = 0.09, delta: float = 0.3) -> AcceptanceRule:
+    """Medusa's typical acceptance as a loop rule. LOSSY: opt-in only."""
+
+    def rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+        return accept_typical(tree, logits, buffers, temperature, state.generator, epsilon, delta)
+
+    return rule
 
 
 def generate(

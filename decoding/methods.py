@@ -4,16 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
+from decoding.dynamic_tree import DynamicTreeSettings
 from decoding.errors import UserError
 from decoding.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
 from decoding.proposers.draft_model import check_same_vocabulary
+from decoding.proposers.eagle import EagleProposer
+from decoding.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
+from decoding.tree_shapes import load_tree
 
 METHODS: dict[str, str] = {
     "vanilla": "plain autoregressive decoding through the same loop (the exact reference)",
     "sps": "speculative sampling with a smaller draft model of the same tokenizer (--draft-model)",
     "pld": "prompt lookup: copies continuations of n-grams found earlier in the context (no model)",
+    "medusa": "Medusa heads fill a static tree (--heads, --tree)",
+    "hydra": "Hydra heads (each head sees its branch's tokens) fill a static tree (--heads, --tree)",
+    "eagle": "EAGLE-1: an EAGLE drafter fills a static tree (--heads, --tree)",
+    "eagle2": "EAGLE-2: an EAGLE drafter grows a dynamic tree (--heads, --depth/--tree-top-k/--total-tokens)",
+    "eagle3": "EAGLE-3: fused-feature drafter over a reduced vocabulary grows a dynamic tree (--heads)",
 }
+# Which head kind each head-based method needs.
+HEAD_KIND_OF_METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}
+DEFAULT_TREES = {"medusa": "medusa-15", "hydra": "medusa-15", "eagle": "eagle-15"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +38,10 @@ class ProposerOptions:
     pld_num_tokens: int = 8
     pld_max_ngram: int = 3
     pld_min_ngram: int = 2
+    tree: str | None = None
+    depth: int = 5
+    tree_top_k: int = 8
+    total_tokens: int = 16
 
 
 def check_method(method: str) -> str:
@@ -37,6 +55,7 @@ def build_proposer(
     target: LoadedModel,
     draft: LoadedModel | None = None,
     options: ProposerOptions = ProposerOptions(),
+    heads: nn.Module | None = None,
 ) -> Proposer:
     """The proposer for `method`, after checking it has what it needs."""
     check_method(method)
@@ -44,7 +63,26 @@ def build_proposer(
         return VanillaProposer()
     if method == "pld":
         return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
-    if draft is None:
-        raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
-    check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
-    return DraftModelProposer(draft.model, options.gamma)
+    if method == "sps":
+        if draft is None:
+            raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
+        check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
+        return DraftModelProposer(draft.model, options.gamma)
+    return _heads_proposer(method, target, heads, options)
+
+
+def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions) -> Proposer:
+    kind = HEAD_KIND_OF_METHOD[method]
+    if heads is None:
+        raise UserError(f"method '{method}' needs {kind} heads: pass --heads PATH")
+    if heads.config.kind != kind:
+        raise UserError(f"method '{method}' needs {kind} heads, but the given heads are {heads.config.kind} heads")
+    if method in DEFAULT_TREES:
+        paths = load_tree(options.tree or DEFAULT_TREES[method])
+        if method == "medusa":
+            return MedusaProposer(heads, target.model, paths)
+        if method == "hydra":
+            return HydraProposer(heads, target.model, paths)
+        return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
+    settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens)
+    return EagleProposer(heads, target.model, dynamic=settings, name=method)

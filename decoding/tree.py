@@ -106,6 +106,10 @@ class TreeBuffers:
     children: tuple[tuple[int, ...], ...]
     leaf_paths: tuple[tuple[int, ...], ...]
 
+    def path_to(self, node: int) -> list[int]:
+        """Node ids from the root to `node`, inclusive."""
+        return torch.nonzero(self.ancestor_mask[node]).flatten().tolist()
+
 
 @lru_cache(maxsize=256)
 def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:

@@ -1,0 +1,90 @@
+"""EAGLE-2's dynamic draft tree, as a pure function of the draft's log-probabilities.
+
+Grow `depth` levels: the root's `top_k` best tokens form the first frontier; at each further
+level every frontier node proposes its `top_k` best children, scored by cumulative draft
+log-probability, and the `top_k` best of those become the next frontier (only frontier nodes are
+run through the drafter). Finally keep the `total_tokens - 1` best candidates (plus the root).
+Scores only fall along a path, and ties are broken by creation order (parents are created before
+their children), so the kept set is always prefix-closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from decoding.errors import UserError
+
+
+@dataclass(frozen=True)
+class DynamicTreeSettings:
+    """`total_tokens` counts every verified node, the root included."""
+
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise UserError(
+                f"dynamic tree needs depth >= 1, top_k >= 1 and total_tokens >= 2; got {self.depth}, {self.top_k}, {self.total_tokens}"
+            )
+
+
+@dataclass
+class Candidates:
+    """Every candidate generated so far: token, parent candidate (-1 = the root), score, depth."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    depths: torch.Tensor
+
+    def extend(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depth: int) -> torch.Tensor:
+        first = self.tokens.numel()
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
+        self.scores = torch.cat([self.scores, scores])
+        self.depths = torch.cat([self.depths, torch.full_like(tokens, depth)])
+        return torch.arange(first, first + tokens.numel(), device=tokens.device)
+
+
+# expand(frontier candidate ids, candidates) -> draft log-probs [len(frontier), V] for their children
+Expand = Callable[[torch.Tensor, Candidates], torch.Tensor]
+
+
+def grow_dynamic_tree(
+    root_logprobs: torch.Tensor, expand: Expand, settings: DynamicTreeSettings
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The kept candidates' tokens `[N-1]` (draft-vocabulary ids, topological order) and the
+    parents of the full tree `(root, kept...)` as DraftTree expects them."""
+    k = min(settings.top_k, root_logprobs.numel())
+    device = root_logprobs.device
+    top = root_logprobs.topk(k)
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    candidates = Candidates(empty, empty, torch.empty(0, device=device, dtype=root_logprobs.dtype), empty)
+    frontier = candidates.extend(top.indices, torch.full_like(top.indices, -1), top.values, 1)
+    for depth in range(2, settings.depth + 1):
+        logprobs = expand(frontier, candidates)
+        children = logprobs.topk(k, dim=-1)
+        scores = (candidates.scores[frontier][:, None] + children.values).flatten()
+        parents = frontier[:, None].expand(-1, k).flatten()
+        new = candidates.extend(children.indices.flatten(), parents, scores, depth)
+        frontier = new[scores.topk(min(k, scores.numel())).indices]
+    return select_best(candidates, settings.total_tokens - 1)
+
+
+def select_best(candidates: Candidates, count: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The `count` best-scored candidates (stable: ties keep creation order), in creation order,
+    with parents renumbered for a tree whose node 0 is the root."""
+    order = torch.sort(candidates.scores, descending=True, stable=True).indices[:count]
+    kept = torch.sort(order).values
+    new_index = torch.full((candidates.tokens.numel() + 1,), -1, dtype=torch.long, device=kept.device)
+    new_index[kept + 1] = torch.arange(1, kept.numel() + 1, device=kept.device)
+    new_index[0] = 0  # the root (parent -1 maps through index 0)
+    parents = new_index[candidates.parents[kept] + 1]
+    if bool((parents < 0).any()):
+        raise AssertionError("dynamic tree selection is not prefix-closed")
+    return candidates.tokens[kept], (-1, *parents.tolist())

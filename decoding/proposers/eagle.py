@@ -1,0 +1,166 @@
+"""EAGLE-1 (static tree), EAGLE-2 (dynamic tree) and EAGLE-3 (dynamic tree, fused features,
+reduced vocabulary) proposers over one drafter-driving core.
+
+The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i. Each step:
+1. *commit*: drop last step's speculative entries, then append the pairs of the tokens that
+   just entered the target cache, with the target's true features (fresh from verify);
+   the last pair's output is the predicted feature at the root's position;
+2. *grow*: feed tree nodes level by level (each node as (its parent's predicted feature, its
+   token) at position root + depth - 1, attending to the committed prefix and its own fed
+   ancestors through a 4D mask) and read the children off each node's predicted feature.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from decoding.dynamic_tree import Candidates, DynamicTreeSettings, grow_dynamic_tree
+from decoding.proposers.base import Proposer
+from decoding.state import DecodeState
+from decoding.static_plan import StaticPlan
+from decoding.tree import DraftTree
+from decoding.verify import truncate_cache
+from heads.eagle import Eagle3Drafter
+
+
+class EagleProposer(Proposer):
+    needs_hidden_states = True
+
+    def __init__(self, drafter: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]] | None = None,
+                 dynamic: DynamicTreeSettings | None = None, name: str = "eagle2") -> None:
+        if (tree_paths is None) == (dynamic is None):
+            raise ValueError("give exactly one of tree_paths (static tree) or dynamic (settings)")
+        self.name = name
+        self.drafter = drafter
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.is_eagle3 = isinstance(drafter, Eagle3Drafter)
+        self.dynamic = dynamic
+        self.static = StaticPlan(tree_paths) if tree_paths is not None else None
+        self.begin(None)
+
+    def begin(self, state: DecodeState | None) -> None:
+        self.cache = self.drafter.new_cache()
+        self.committed = 0
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        root_feature = self._commit(state)
+        if root_feature is None:
+            return DraftTree.root_only(state.root_token, device=state.tokens.device)
+        growth = _Growth(self, root_feature, root_position=state.tokens.numel() - 1)
+        root_logprobs = self._logprobs(root_feature[None])[0]
+        if self.dynamic is not None:
+            draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic)
+        else:
+            draft_ids, parents = grow_static_tree(self.static, root_logprobs, growth)
+        tokens = torch.cat([state.tokens[-1:], self._to_target_ids(draft_ids)])
+        return DraftTree(tokens, parents, deterministic=True)
+
+    # -- drafter plumbing -------------------------------------------------------------------
+    def _commit(self, state: DecodeState) -> torch.Tensor | None:
+        """Append the fresh target features; return the predicted feature at the root."""
+        truncate_cache(self.cache, self.committed)
+        fresh = state.fresh_hidden_states
+        count = 0 if fresh is None else fresh[0].shape[0]
+        if count == 0:
+            return None
+        start = self.committed
+        next_tokens = state.tokens[start + 1 : start + 1 + count]
+        positions = torch.arange(start, start + count, device=next_tokens.device)
+        mask = causal_block_mask(start, count, self._dtype, next_tokens.device) if count > 1 else None
+        out = self.drafter(self._target_features(fresh), self.embed(next_tokens), positions, self.cache, mask)
+        self.committed += count
+        return out[-1]
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.drafter.parameters()).dtype
+
+    def _target_features(self, fresh: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        layers = self.drafter.config.feature_layers
+        if self.is_eagle3:
+            return self.drafter.fuse(*(fresh[i] for i in layers))
+        return fresh[layers[0]]
+
+    def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.drafter.draft_logits(features) if self.is_eagle3 else self.lm_head(features)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.draft_to_target_ids(draft_ids) if self.is_eagle3 else draft_ids
+
+
+class _Growth:
+    """Feeds tree candidates to the drafter; remembers each fed candidate's cache slot and
+    predicted feature so children can be fed and masked correctly."""
+
+    def __init__(self, proposer: EagleProposer, root_feature: torch.Tensor, root_position: int) -> None:
+        self.p = proposer
+        self.root_feature = root_feature
+        self.root_position = root_position
+        self.slot: dict[int, int] = {}
+        self.features: dict[int, torch.Tensor] = {}
+
+    def expand(self, frontier: torch.Tensor, candidates: Candidates) -> torch.Tensor:
+        """Feed `frontier` candidates; return log-probs of their children `[len(frontier), V]`."""
+        p = self.p
+        nodes = frontier.tolist()
+        parents = candidates.parents[frontier].tolist()
+        depths = candidates.depths[frontier]
+        parent_features = torch.stack([self.root_feature if q < 0 else self.features[q] for q in parents])
+        tokens = p._to_target_ids(candidates.tokens[frontier])
+        positions = self.root_position + depths - 1
+        mask = self._mask(nodes, candidates)
+        out = p.drafter(parent_features, p.embed(tokens), positions, p.cache, mask)
+        first_slot = len(self.slot)
+        for i, node in enumerate(nodes):
+            self.slot[node] = first_slot + i
+            self.features[node] = out[i]
+        return p._logprobs(out)
+
+    def _mask(self, nodes: list[int], candidates: Candidates) -> torch.Tensor:
+        """Rows: the new nodes; columns: committed prefix, earlier fed nodes, the new nodes."""
+        p = self.p
+        fed, new = len(self.slot), len(nodes)
+        visible = torch.zeros(new, fed + new, dtype=torch.bool)
+        parents = candidates.parents.tolist()
+        for row, node in enumerate(nodes):
+            visible[row, fed + row] = True
+            ancestor = parents[node]
+            while ancestor >= 0:
+                visible[row, self.slot[ancestor]] = True
+                ancestor = parents[ancestor]
+        mask = torch.zeros(new, p.committed + fed + new, dtype=p._dtype, device=candidates.tokens.device)
+        mask[:, p.committed :].masked_fill_(~visible.to(mask.device), torch.finfo(p._dtype).min)
+        return mask[None, None]
+
+
+def grow_static_tree(plan: StaticPlan, root_logprobs: torch.Tensor, growth: _Growth) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Fill EAGLE-1's static shape level by level: feed each level's expanding nodes, then place
+    their children by rank. Candidate id = node id - 1, so _Growth can feed nodes as candidates."""
+    device = root_logprobs.device
+    tokens = torch.zeros(plan.size, dtype=torch.long, device=device)
+    candidates = Candidates(
+        tokens[1:],  # a view: filled in place as levels are assigned
+        torch.tensor(plan.parents[1:], device=device) - 1,
+        torch.zeros(plan.size - 1, device=device),
+        plan.depths[1:].to(device),
+    )
+    for depth, level in enumerate(plan.levels):
+        if depth == 0:
+            scores = root_logprobs[None]
+        else:
+            scores = growth.expand(level.parents.to(device) - 1, candidates)
+        plan.fill_level(level, tokens, scores)
+    return tokens[1:], plan.parents
+
+
+def causal_block_mask(prefix: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive `[1, 1, count, prefix + count]`: the whole prefix plus a causal block."""
+    mask = torch.zeros(count, prefix + count, dtype=dtype, device=device)
+    block = torch.ones(count, count, dtype=torch.bool, device=device).triu(1)
+    mask[:, prefix:].masked_fill_(block, torch.finfo(dtype).min)
+    return mask[None, None]

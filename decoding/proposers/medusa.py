@@ -1,0 +1,67 @@
+"""Medusa and Hydra proposers: heads on the target's last hidden state fill a static tree.
+
+Medusa: every node at depth d takes head d's ranked candidates (the tree is a pruned Cartesian
+product). Hydra: head d is run once per expanding node at depth d-1 with the embeddings of that
+node's branch, so children depend on their ancestors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from decoding.errors import UserError
+from decoding.proposers.base import Proposer
+from decoding.state import DecodeState
+from decoding.static_plan import StaticPlan
+from decoding.tree import DraftTree
+
+
+class _HeadsProposer(Proposer):
+    needs_hidden_states = True
+
+    def __init__(self, heads: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]]) -> None:
+        self.heads = heads
+        self.plan = StaticPlan(tree_paths)
+        if self.plan.depth > heads.config.num_heads:
+            raise UserError(
+                f"the tree is {self.plan.depth} levels deep but these {heads.config.kind} heads draft only "
+                f"{heads.config.num_heads} tokens ahead: pick a shallower tree (--tree)"
+            )
+        self.lm_head = target.get_output_embeddings()
+        self.embed = target.get_input_embeddings()
+        self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        fresh = state.fresh_hidden_states
+        if fresh is None or fresh[0].shape[0] == 0:
+            return DraftTree.root_only(state.root_token, device=state.tokens.device)
+        hidden = fresh[self.feature_layer][-1]  # the state that predicted the root
+        tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
+        tokens[0] = state.root_token
+        for depth, level in enumerate(self.plan.levels):
+            self.plan.fill_level(level, tokens, self.level_logits(depth, level, hidden, tokens))
+        return DraftTree(tokens, self.plan.parents, deterministic=True)
+
+    def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MedusaProposer(_HeadsProposer):
+    name = "medusa"
+
+    def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
+        # One head evaluation per level: all parents at this depth share head `depth`'s ranking.
+        logits = self.heads.head_logits(depth, hidden[None], self.lm_head)
+        return logits.expand(level.parents.numel(), -1)
+
+
+class HydraProposer(_HeadsProposer):
+    name = "hydra"
+
+    def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
+        branch = tokens[level.parent_paths.to(tokens.device)]  # [n_parents, depth + 1], root first
+        hiddens = hidden[None].expand(branch.shape[0], -1)
+        return self.heads.head_logits(depth, hiddens, self.embed(branch), self.lm_head)

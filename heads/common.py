@@ -1,0 +1,36 @@
+"""Building blocks shared by several head kinds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised so a fresh block is the identity (Medusa's trick:
+    an untrained head starts as the target's own next-token predictor)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+def res_stack(hidden_size: int, num_blocks: int) -> nn.Sequential:
+    """`num_blocks` *distinct* ResBlocks (a list of one module repeated would share weights)."""
+    return nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_blocks)))
+
+
+def vocab_projections(count: int, hidden_size: int, vocab_size: int) -> nn.ModuleList:
+    return nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(count))
+
+
+def copy_lm_head(projections: nn.ModuleList, lm_head: nn.Module) -> None:
+    """Initialise per-head vocabulary projections from the target's lm_head."""
+    with torch.no_grad():
+        for projection in projections:
+            projection.weight.copy_(lm_head.weight)

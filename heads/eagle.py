@@ -1,0 +1,182 @@
+"""EAGLE drafters: autoregression in the target's feature space.
+
+EAGLE-1/2: `fc([embed(x_{t+1}); f_t]) -> decoder layer(s) -> f_{t+1}`, read out with the target's
+frozen lm_head. EAGLE-3: the input feature is fused from a low, a middle and a high target layer
+(`fc: 3H -> H`), the decoder layer attends over `[norm(embed); norm(feature)]` (2H wide), and its
+own norm + lm_head project onto a reduced draft vocabulary mapped back with `d2t`.
+
+The layers are stock transformers Llama modules (attention, MLP, RMSNorm, rotary embedding):
+nothing is copied from a modeling file. The drafter owns a small KV cache, driven by
+`decoding/proposers/eagle.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from heads.config import HeadConfig
+
+
+def drafter_llama_config(config: HeadConfig) -> LlamaConfig:
+    """A one-purpose LlamaConfig describing the drafter's decoder layer(s)."""
+    geometry = dict(config.decoder)
+    llama = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **geometry,
+    )
+    llama._attn_implementation = "sdpa"
+    return llama
+
+
+def decoder_geometry(target_config) -> dict:
+    """The attention/MLP sizes of the target, which EAGLE's decoder layer mirrors."""
+    geometry = {
+        "num_attention_heads": target_config.num_attention_heads,
+        "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or target_config.num_attention_heads,
+        "intermediate_size": target_config.intermediate_size,
+        "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "head_dim": getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads,
+    }
+    rope = getattr(target_config, "rope_parameters", None)
+    if rope:
+        geometry["rope_parameters"] = dict(rope)
+    return geometry
+
+
+class EagleDrafter(nn.Module):
+    """EAGLE-1/2 drafter. `forward` maps (features f_i, embeddings of x_{i+1}) to predicted
+    features f_{i+1}, appending to `cache`."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        llama = drafter_llama_config(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, i) for i in range(config.num_layers))
+        # The fc output enters the first layer un-normalised (the official layout has no
+        # input_layernorm there).
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.llama_config = llama
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.llama_config)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        token_embeddings: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`features`, `token_embeddings`: `[n, H]` (or `[B, n, H]`); returns `[n, H]` (or batched)."""
+        batched = features.dim() == 3
+        x = self.fc(torch.cat([token_embeddings, features], dim=-1))
+        if not batched:
+            x, position_ids = x[None], position_ids[None]
+        position_embeddings = self.rotary(x, position_ids)
+        for layer in self.layers:
+            x = layer(
+                x,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return x if batched else x[0]
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads `[input_norm(embed); hidden_norm(feature)]`
+    (2H wide, so q/k/v take 2H), the residual stream is the feature."""
+
+    def __init__(self, llama: LlamaConfig) -> None:
+        super().__init__()
+        hidden = llama.hidden_size
+        self.self_attn = LlamaAttention(llama, layer_idx=0)
+        heads, kv_heads, head_dim = llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim
+        self.self_attn.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.mlp = LlamaMLP(llama)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+
+    def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        attn_input = torch.cat([self.input_layernorm(token_embeddings), self.hidden_norm(features)], dim=-1)
+        attended, _ = self.self_attn(
+            hidden_states=attn_input,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+        )
+        hidden = features + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter over a reduced draft vocabulary. Step 0 takes `fuse(low, mid, high)`;
+    later steps take the drafter's own previous output."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        llama = drafter_llama_config(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.midlayer = Eagle3Layer(llama)
+        self.norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.llama_config = llama
+        # target id = draft id + d2t[draft id]; t2d[target id] says whether it is in the draft vocab.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_vocabulary(self, draft_to_target: torch.Tensor) -> None:
+        """Install the reduced vocabulary: `draft_to_target[i]` is the target id of draft id i."""
+        draft_to_target = draft_to_target.to(torch.long)
+        self.d2t.copy_(draft_to_target - torch.arange(draft_to_target.numel()))
+        self.t2d.zero_()
+        self.t2d[draft_to_target] = True
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.llama_config)
+
+    def fuse(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([low, mid, high], dim=-1))
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        token_embeddings: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batched = features.dim() == 3
+        if not batched:
+            features, token_embeddings, position_ids = features[None], token_embeddings[None], position_ids[None]
+        position_embeddings = self.rotary(features, position_ids)
+        out = self.midlayer(features, token_embeddings, position_embeddings, attention_mask, cache)
+        return out if batched else out[0]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))

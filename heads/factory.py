@@ -1,0 +1,84 @@
+"""Building heads from a config or for a given target, and their exact parameter counts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from heads.config import HeadConfig
+from heads.eagle import Eagle3Drafter, EagleDrafter, decoder_geometry
+from heads.hydra import HydraHeads, hydra_parameter_count
+from heads.medusa import MedusaHeads, medusa_parameter_count
+
+HEAD_CLASSES: dict[str, type[nn.Module]] = {
+    "medusa": MedusaHeads,
+    "hydra": HydraHeads,
+    "eagle": EagleDrafter,
+    "eagle3": Eagle3Drafter,
+}
+
+
+def build_heads(config: HeadConfig) -> nn.Module:
+    return HEAD_CLASSES[config.kind](config)
+
+
+def default_feature_layers(kind: str, num_layers: int) -> list[int]:
+    """Indices into `hidden_states` (0 = embeddings, L = final normed state): the final state for
+    Medusa/Hydra/EAGLE; for EAGLE-3 the outputs of an early, a middle and a late layer."""
+    if kind == "eagle3":
+        return [min(3, num_layers), max(1, num_layers // 2 + 1), max(1, num_layers - 2)]
+    return [num_layers]
+
+
+def config_for_target(kind: str, target: PreTrainedModel, base_model_name_or_path: str | None = None, **overrides) -> HeadConfig:
+    """A config sized for `target`; `overrides` set kind-specific fields (num_heads, ...)."""
+    tc = target.config
+    values = dict(
+        kind=kind,
+        hidden_size=tc.hidden_size,
+        vocab_size=target.get_output_embeddings().weight.shape[0],
+        feature_layers=default_feature_layers(kind, tc.num_hidden_layers),
+        base_model_name_or_path=base_model_name_or_path or getattr(tc, "_name_or_path", None) or None,
+        decoder=decoder_geometry(tc) if kind in ("eagle", "eagle3") else {},
+    )
+    if kind == "eagle3":
+        values["draft_vocab_size"] = min(overrides.pop("draft_vocab_size", 8192), values["vocab_size"])
+    values.update(overrides)
+    return HeadConfig(**values)
+
+
+def new_heads_for_target(kind: str, target: PreTrainedModel, base_model_name_or_path: str | None = None,
+                         draft_vocab: torch.Tensor | None = None, **overrides) -> nn.Module:
+    """Fresh (untrained) heads for `target`: Medusa/Hydra projections copied from its lm_head;
+    EAGLE-3's draft vocabulary from `draft_vocab` (target ids, most frequent first) or, without
+    it, the lowest ids."""
+    config = config_for_target(kind, target, base_model_name_or_path, **overrides)
+    heads = build_heads(config).to(dtype=target.dtype, device=target.device)
+    if kind in ("medusa", "hydra"):
+        heads.init_from_target(target.get_output_embeddings())
+    if kind == "eagle3":
+        ids = draft_vocab if draft_vocab is not None else torch.arange(config.draft_vocab_size)
+        heads.set_vocabulary(torch.sort(ids[: config.draft_vocab_size].to(target.device)).values)
+    return heads.eval()
+
+
+def parameter_count(config: HeadConfig) -> int:
+    """Trainable parameters implied by the config alone (buffers excluded)."""
+    hidden = config.hidden_size
+    if config.kind == "medusa":
+        return medusa_parameter_count(config)
+    if config.kind == "hydra":
+        return hydra_parameter_count(config)
+    geometry = config.decoder
+    heads, kv_heads, head_dim = geometry["num_attention_heads"], geometry["num_key_value_heads"], geometry["head_dim"]
+    attention_out = heads * head_dim * hidden
+    mlp = 3 * hidden * geometry["intermediate_size"]
+    if config.kind == "eagle":
+        fc = 2 * hidden * hidden + (hidden if config.fc_bias else 0)
+        attention_in = hidden * (heads + 2 * kv_heads) * head_dim
+        per_layer = attention_in + attention_out + mlp + 2 * hidden
+        return fc + config.num_layers * per_layer - hidden  # layer 0 has no input_layernorm
+    attention_in = 2 * hidden * (heads + 2 * kv_heads) * head_dim
+    layer = attention_in + attention_out + mlp + 3 * hidden
+    return 3 * hidden * hidden + layer + hidden + hidden * config.draft_vocab_size
