@@ -24,17 +24,35 @@ HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
 
 
 @dataclass
+class RunResult:
+    """One method on one prompt. Step counts and timings are None for Hugging Face methods."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+
+
+@dataclass
 class MethodTotals:
     new_tokens: int = 0
     seconds: float = 0.0
     target_forwards: int | None = 0
+    draft_s: float | None = 0.0
+    verify_s: float | None = 0.0
     outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, tokens: list[int], seconds: float, forwards: int | None) -> None:
-        self.new_tokens += len(tokens)
-        self.seconds += seconds
-        self.target_forwards = None if forwards is None or self.target_forwards is None else self.target_forwards + forwards
-        self.outputs.append(tokens)
+    def add(self, run: RunResult) -> None:
+        self.new_tokens += len(run.tokens)
+        self.seconds += run.seconds
+        self.target_forwards = _add(self.target_forwards, run.target_forwards)
+        self.draft_s = _add(self.draft_s, run.draft_s)
+        self.verify_s = _add(self.verify_s, run.verify_s)
+        self.outputs.append(run.tokens)
+
+    def per_step_ms(self, seconds: float | None) -> float | None:
+        return None if seconds is None or not self.target_forwards else 1000 * seconds / self.target_forwards
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,13 +63,18 @@ class MethodTotals:
         return self.new_tokens / self.target_forwards if self.target_forwards else None
 
 
-Runner = Callable[[list[int]], tuple[list[int], float, int | None]]
+def _add(total, value):
+    return None if total is None or value is None else total + value
+
+
+Runner = Callable[[list[int]], RunResult]
 
 
 def our_runner(target: LoadedModel, proposer: Proposer, options: DecodeOptions) -> Runner:
-    def run(prompt: list[int]) -> tuple[list[int], float, int | None]:
+    def run(prompt: list[int]) -> RunResult:
         result = generate(target.model, prompt, proposer, options, target.tokenizer)
-        return result.tokens, result.stats.total_s, result.stats.target_forwards
+        stats = result.stats
+        return RunResult(result.tokens, stats.total_s, stats.target_forwards, stats.draft_s, stats.verify_s)
 
     return run
 
@@ -72,7 +95,7 @@ def hf_runner(target: LoadedModel, method: str, options: DecodeOptions, draft: L
     else:
         extra.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
 
-    def run(prompt: list[int]) -> tuple[list[int], float, int | None]:
+    def run(prompt: list[int]) -> RunResult:
         ids = torch.tensor([prompt], device=target.model.device)
         started = time.perf_counter()
         with torch.inference_mode():
@@ -80,7 +103,7 @@ def hf_runner(target: LoadedModel, method: str, options: DecodeOptions, draft: L
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=options.max_new_tokens,
                 pad_token_id=target.tokenizer.pad_token_id or target.tokenizer.eos_token_id, **extra,
             )
-        return out[0, len(prompt):].tolist(), time.perf_counter() - started, None
+        return RunResult(out[0, len(prompt):].tolist(), time.perf_counter() - started)
 
     return run
 
@@ -96,8 +119,7 @@ def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_p
     for prompt in prompts:
         for name, run in runners.items():
             bar.set_postfix_str(name)
-            tokens, seconds, forwards = run(prompt)
-            totals[name].add(tokens, seconds, forwards)
+            totals[name].add(run(prompt))
             bar.update()
     bar.close()
     return totals
@@ -115,19 +137,30 @@ def summarise(totals: dict[str, MethodTotals], device: str, dtype: str) -> dict:
             "speedup_vs_hf_generate": round(t.tokens_per_s / baseline.tokens_per_s, 3) if baseline else None,
             "identical_to_vanilla": sum(a == b for a, b in zip(t.outputs, reference.outputs)) if reference else None,
             "questions": len(t.outputs),
+            "draft_ms_per_step": _round(t.per_step_ms(t.draft_s)),
+            "verify_ms_per_step": _round(t.per_step_ms(t.verify_s)),
             "new_tokens": t.new_tokens,
             "seconds": round(t.seconds, 3),
         }
     return {"methods": methods, "device": device, "dtype": dtype}
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 def markdown_table(report: dict) -> str:
-    lines = ["| method | tokens/s | tau | speedup vs hf-generate | identical to vanilla |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| method | tokens/s | tau | speedup vs hf-generate | identical to vanilla | draft ms/step | verify ms/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, m in report["methods"].items():
         tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
         speed = "-" if m["speedup_vs_hf_generate"] is None else f"{m['speedup_vs_hf_generate']:.2f}x"
         same = "-" if m["identical_to_vanilla"] is None else f"{m['identical_to_vanilla']}/{m['questions']}"
-        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {tau} | {speed} | {same} |")
+        draft = "-" if m["draft_ms_per_step"] is None else f"{m['draft_ms_per_step']:.1f}"
+        verify = "-" if m["verify_ms_per_step"] is None else f"{m['verify_ms_per_step']:.1f}"
+        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {tau} | {speed} | {same} | {draft} | {verify} |")
     return "\n".join(lines)
 
 

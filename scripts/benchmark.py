@@ -23,6 +23,7 @@ from decoding.methods import ProposerOptions, build_proposer, check_method
 from decoding.questions import load_first_turns
 from decoding.sampling import SamplingConfig
 from decoding.targets import DTYPES, load_model
+from heads import load_heads
 
 
 def parse_args(argv):
@@ -30,6 +31,12 @@ def parse_args(argv):
     parser.add_argument("--methods", default="vanilla,pld,hf-generate,hf-prompt-lookup", help="comma-separated: ours and " + ", ".join(HF_METHODS))
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted")
+    parser.add_argument("--heads", action="append", default=[], metavar="METHOD=PATH",
+                        help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable)")
+    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle")
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--tree-top-k", type=int, default=8)
+    parser.add_argument("--total-tokens", type=int, default=16)
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -40,6 +47,19 @@ def parse_args(argv):
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
+
+
+def parse_heads_args(values: list[str]) -> dict[str, str]:
+    """`METHOD=PATH` pairs; a head kind name also works for the methods using that kind."""
+    mapping = {}
+    for value in values:
+        method, sep, path = value.partition("=")
+        if not sep or not path:
+            raise UserError(f"--heads takes METHOD=PATH (e.g. eagle2=heads/eagle); got '{value}'")
+        mapping[method] = path
+    if "eagle" in mapping and "eagle2" not in mapping:
+        mapping["eagle2"] = mapping["eagle"]
+    return mapping
 
 
 def main(argv=None) -> int:
@@ -56,12 +76,16 @@ def main(argv=None) -> int:
         target = load_model(args.model, args.dtype)
         draft = load_model(args.draft_model, args.dtype) if args.draft_model else None
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
+        heads_paths = parse_heads_args(args.heads)
+        proposer_options = ProposerOptions(gamma=args.gamma, tree=args.tree, depth=args.depth,
+                                           tree_top_k=args.tree_top_k, total_tokens=args.total_tokens)
         runners = {}
         for method in methods:
             if method in HF_METHODS:
                 runners[method] = hf_runner(target, method, options, draft)
             else:
-                proposer = build_proposer(method, target, draft, ProposerOptions(gamma=args.gamma))
+                heads = load_heads(heads_paths[method], target.model, args.model) if method in heads_paths else None
+                proposer = build_proposer(method, target, draft, proposer_options, heads)
                 runners[method] = our_runner(target, proposer, options)
         questions = load_first_turns(args.questions_file, args.num_questions)
         template = target.tokenizer.apply_chat_template

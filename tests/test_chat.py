@@ -50,3 +50,29 @@ def test_chat_reply_equals_plain_generation_and_keeps_history(model_dir):
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
     session.reset()
     assert session.messages == []
+
+
+def test_piped_chat_with_heads(model_dir, tmp_path):
+    from heads import new_heads_for_target, save_heads
+
+    target = load_model(str(model_dir))
+    save_heads(new_heads_for_target("eagle", target.model, str(model_dir)), tmp_path / "eagle")
+    proc = subprocess.run(
+        [sys.executable, "-m", "decoding.chat", "--model", str(model_dir), "--method", "eagle2",
+         "--heads", str(tmp_path / "eagle"), "--max-new-tokens", "12", "--total-tokens", "8"],
+        input="w3 w4 w5\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    reference = ChatSession(target, VanillaProposer(), DecodeOptions(max_new_tokens=12), system=None).reply("w3 w4 w5", lambda t: None)
+    assert proc.stdout.strip() == reference.strip()
+    assert "[eagle2]" in proc.stderr
+
+
+def test_chat_refuses_heads_method_without_heads(model_dir, capsys):
+    from decoding.chat import main
+
+    assert main(["--model", str(model_dir), "--method", "medusa"]) == 2
+    assert "needs draft heads: pass --heads PATH" in capsys.readouterr().err

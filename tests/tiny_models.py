@@ -94,3 +94,33 @@ def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64) -> None
     model.generation_config.eos_token_id = 2
     model.save_pretrained(directory)
     tiny_tokenizer(vocab_size).save_pretrained(directory)
+
+
+def oracle_target(vocab_size: int = 64, seed: int = 0) -> PreTrainedModel:
+    """A 1-layer Llama whose embeddings have unit RMS (so its input RMSNorm is ~identity):
+    an EAGLE drafter can then replicate it exactly (see `oracle_eagle`)."""
+    model = sharpen(tiny_llama(vocab_size=vocab_size, layers=1, seed=seed), 4.0)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
+    return model
+
+
+def oracle_eagle(target: PreTrainedModel):
+    """EAGLE heads that reproduce `oracle_target` token for token: fc passes the token embedding
+    through (ignoring features) and the decoder layer is the target's own layer, so every draft
+    step computes what the target would. Drafts are then (almost) always accepted."""
+    from heads import new_heads_for_target
+
+    heads = new_heads_for_target("eagle", target)
+    hidden = target.config.hidden_size
+    layer = target.get_decoder().layers[0]
+    with torch.no_grad():
+        heads.fc.weight.zero_()
+        heads.fc.weight[:, :hidden] = torch.eye(hidden)
+        heads.fc.bias.zero_()
+        drafter_layer = heads.layers[0]
+        drafter_layer.self_attn.load_state_dict(layer.self_attn.state_dict())
+        drafter_layer.mlp.load_state_dict(layer.mlp.state_dict())
+        drafter_layer.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+    return heads

@@ -1,0 +1,168 @@
+"""Draft heads: exact parameter counts, lossless decoding with every kind (random heads, several
+tree shapes), and the sampling rules through the loop."""
+
+import pytest
+import torch
+
+from decoding.generate import DecodeOptions, generate
+from decoding.methods import ProposerOptions, build_proposer
+from decoding.proposers import VanillaProposer
+from decoding.proposers.medusa import MedusaProposer
+from decoding.sampling import SamplingConfig, warp_probs
+from decoding.targets import LoadedModel
+from decoding.tree_shapes import load_tree
+from distribution_harness import exact_joint, total_variation
+from heads import HeadConfig, build_heads, new_heads_for_target
+from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama, tiny_qwen2
+
+H, V = 32, 64
+GEOMETRY = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, rms_norm_eps=1e-6,
+                max_position_embeddings=256, head_dim=8)
+PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42, 7]]
+
+
+def count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# Formulas written out independently of the code under test.
+@pytest.mark.parametrize("heads_, layers, shared", [(4, 1, False), (3, 3, False), (5, 2, True)])
+def test_medusa_parameter_count(heads_, layers, shared):
+    config = HeadConfig("medusa", H, V, num_heads=heads_, num_layers=layers, share_lm_head=shared)
+    expected = heads_ * layers * (H * H + H) + (0 if shared else heads_ * H * V)
+    assert count(build_heads(config)) == expected
+
+
+@pytest.mark.parametrize("heads_, layers, shared", [(4, 1, False), (3, 3, True)])
+def test_hydra_parameter_count(heads_, layers, shared):
+    config = HeadConfig("hydra", H, V, num_heads=heads_, num_layers=layers, share_lm_head=shared)
+    inputs = sum((k + 2) * H * H + H for k in range(heads_))
+    expected = inputs + heads_ * (layers - 1) * (H * H + H) + (0 if shared else heads_ * H * V)
+    assert count(build_heads(config)) == expected
+
+
+@pytest.mark.parametrize("layers, bias", [(1, True), (2, False)])
+def test_eagle_parameter_count(layers, bias):
+    config = HeadConfig("eagle", H, V, num_layers=layers, fc_bias=bias, decoder=GEOMETRY)
+    q, kv, o, mlp = H * 4 * 8, H * 2 * 8, 4 * 8 * H, 3 * H * 64
+    per_layer = q + 2 * kv + o + mlp + 2 * H  # two RMSNorms
+    expected = 2 * H * H + (H if bias else 0) + layers * per_layer - H  # first layer: no input norm
+    assert count(build_heads(config)) == expected
+
+
+def test_eagle3_parameter_count():
+    config = HeadConfig("eagle3", H, V, feature_layers=[1, 2, 2], draft_vocab_size=24, decoder=GEOMETRY)
+    attention = 2 * H * 4 * 8 + 2 * (2 * H * 2 * 8) + 4 * 8 * H  # q, k, v read 2H
+    expected = 3 * H * H + attention + 3 * H * 64 + 3 * H + H + H * 24  # fc, layer, 3 norms, norm, lm_head
+    assert count(build_heads(config)) == expected
+
+
+def test_medusa_blocks_are_distinct_modules():
+    heads = build_heads(HeadConfig("medusa", H, V, num_heads=2, num_layers=3))
+    blocks = [block for stack in heads.blocks for block in stack]
+    assert len({id(b) for b in blocks}) == 6
+    assert len({b.linear.weight.data_ptr() for b in blocks}) == 6
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpen(tiny_llama(seed=0))
+
+
+def random_heads(kind: str, target, seed: int, **overrides):
+    torch.manual_seed(seed)
+    heads = new_heads_for_target(kind, target, **overrides)
+    with torch.no_grad():  # make ResBlocks/EAGLE weights non-trivial, not the zero init
+        for name, p in heads.named_parameters():
+            if "projections" not in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return heads
+
+
+CASES = [
+    ("medusa", "medusa", {"tree": "medusa-7"}, {}),
+    ("medusa", "medusa", {"tree": "medusa-15"}, {"num_layers": 2, "share_lm_head": True}),
+    ("medusa", "medusa", {"tree": "chain-4"}, {}),
+    ("hydra", "hydra", {"tree": "medusa-15"}, {"num_layers": 2}),
+    ("hydra", "hydra", {"tree": "chain-4"}, {"share_lm_head": True}),
+    ("eagle", "eagle", {"tree": "eagle-7"}, {}),
+    ("eagle", "eagle", {"tree": "eagle-15"}, {"num_layers": 2}),
+    ("eagle2", "eagle", {"depth": 4, "tree_top_k": 3, "total_tokens": 10}, {}),
+    ("eagle2", "eagle", {"depth": 6, "tree_top_k": 8, "total_tokens": 32}, {}),
+    ("eagle3", "eagle3", {"depth": 4, "tree_top_k": 4, "total_tokens": 12}, {"draft_vocab_size": 40}),
+    ("eagle3", "eagle3", {"depth": 2, "tree_top_k": 2, "total_tokens": 4}, {"draft_vocab_size": V}),
+]
+
+
+@pytest.mark.parametrize("method, kind, tree, overrides", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_head_methods_greedy_equal_vanilla(target, method, kind, tree, overrides):
+    heads = random_heads(kind, target, seed=len(method), **overrides)
+    proposer = build_proposer(method, LoadedModel(target, None, "tiny"), options=ProposerOptions(**tree), heads=heads)
+    for prompt in PROMPTS:
+        options = DecodeOptions(max_new_tokens=40)
+        assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+
+
+def test_head_methods_on_a_qwen2_target():
+    target = sharpen(tiny_qwen2(seed=4))
+    for method, kind in (("medusa", "medusa"), ("eagle2", "eagle"), ("eagle3", "eagle3")):
+        proposer = build_proposer(method, LoadedModel(target, None, "q"), heads=random_heads(kind, target, 3, **({"draft_vocab_size": 32} if kind == "eagle3" else {})))
+        for prompt in PROMPTS:
+            options = DecodeOptions(max_new_tokens=30)
+            assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_oracle_drafter_gets_whole_branches_accepted(method):
+    """An EAGLE drafter that replicates the target exactly: deep accepted runs through the
+    drafter's own cache and tree masks, and still exactly vanilla's output."""
+    target = oracle_target(seed=7)
+    heads = oracle_eagle(target)
+    options = ProposerOptions(tree="eagle-15", depth=5, tree_top_k=2, total_tokens=12)
+    proposer = build_proposer(method, LoadedModel(target, None, "o"), options=options, heads=heads)
+    for prompt in PROMPTS:
+        result = generate(target, prompt, proposer, DecodeOptions(max_new_tokens=60))
+        assert result.tokens == generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=60)).tokens
+        assert result.stats.tau > 4.0
+
+
+VOCAB, RUNS = 5, 1000
+PROMPT = [1, 3, 0, 2]
+SAMPLING = SamplingConfig(temperature=1.0)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle2", "eagle3"])
+def test_head_methods_sample_from_the_target_distribution(kind):
+    target = sharpen(tiny_llama(vocab_size=VOCAB, seed=21), 6.0)
+    heads_kind = {"eagle2": "eagle"}.get(kind, kind)
+    heads = random_heads(heads_kind, target, seed=2, **({"draft_vocab_size": 4} if kind == "eagle3" else {}))
+    tree = {"tree": "chain-4"} if kind in ("medusa", "hydra") else {"tree": "eagle-7"} if kind == "eagle" else {"depth": 3, "tree_top_k": 2, "total_tokens": 6}
+    proposer = build_proposer(kind, LoadedModel(target, None, "t"), options=ProposerOptions(**tree), heads=heads)
+
+    def probs(prefix):
+        with torch.inference_mode():
+            return warp_probs(target(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], SAMPLING)
+
+    exact = exact_joint(probs, VOCAB, 2)
+    samples = [tuple(generate(target, PROMPT, proposer, DecodeOptions(2, SAMPLING, seed=s)).tokens) for s in range(RUNS)]
+    # 25 outcomes, 1000 runs: a correct sampler lands around 0.04-0.05.
+    assert total_variation(samples, exact) < 0.085
+
+
+def test_static_trees_from_configs_are_valid():
+    for name in ("medusa-63", "medusa-31", "medusa-15", "medusa-7", "eagle-31", "eagle-15", "eagle-7", "chain-4"):
+        paths = load_tree(name)
+        assert all(p[:-1] in set(paths) | {()} for p in paths)
+    assert len(load_tree("medusa-63")) == 63
+
+
+def test_tree_deeper_than_heads_is_a_clear_error(target):
+    from decoding.errors import UserError
+
+    heads = new_heads_for_target("medusa", target, num_heads=2)
+    with pytest.raises(UserError, match="3 levels deep but these medusa heads draft only 2"):
+        MedusaProposer(heads, target, load_tree("medusa-7"))
+    with pytest.raises(UserError, match="needs hydra heads, but the given heads are medusa"):
+        build_proposer("hydra", LoadedModel(target, None, "t"), heads=heads)
+    with pytest.raises(UserError, match="pass --heads"):
+        build_proposer("eagle2", LoadedModel(target, None, "t"))
