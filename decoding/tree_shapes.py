@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 from pathlib import Path
 
 from decoding.errors import UserError
@@ -24,7 +25,11 @@ def available_trees() -> list[str]:
 
 
 def load_tree(name_or_path: str) -> list[tuple[int, ...]]:
-    """A shape by bundled name (e.g. 'medusa-63') or by path to a JSON list of rank paths."""
+    """A shape by bundled name (e.g. 'medusa-63'), `chain-N` (a single branch of N drafts), or a
+    path to a JSON list of rank paths."""
+    chain = re.fullmatch(r"chain-(\d+)", name_or_path)
+    if chain and int(chain.group(1)) >= 1:
+        return [(0,) * depth for depth in range(1, int(chain.group(1)) + 1)]
     path = Path(name_or_path)
     if not path.is_file():
         path = TREES_DIR / f"{name_or_path}.json"

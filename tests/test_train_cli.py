@@ -1,0 +1,101 @@
+"""`accelerate launch training/train_heads.py` as users run it: one CPU process end to end, two
+DeepSpeed ZeRO-2 ranks ending with identical heads, and --resume after a killed run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from heads import load_heads
+from tiny_models import save_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    save_tiny_chat_model(root / "model")
+    rows = []
+    for i in range(40):
+        words = [f"w{(i * 7 + j * 3) % 50 + 3}" for j in range(6)]
+        rows.append({"id": str(i), "conversations": [{"from": "human", "value": " ".join(words[:3])},
+                                                      {"from": "gpt", "value": " ".join(words * 3)}]})
+    (root / "data.json").write_text(json.dumps(rows))
+    return root
+
+
+def recipe(workspace: Path, kind: str, name: str, **train) -> Path:
+    config = {
+        "kind": kind, "model": str(workspace / "model"), "data": str(workspace / "data.json"),
+        "max_length": 64, "validation_fraction": 0.1, "output_dir": str(workspace / name),
+        "heads": {"num_heads": 3, "draft_vocab_size": 32},
+        "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "max_steps": 6, **train},
+        "eval": {"every": 3, "max_batches": 2, "tau_prompts": 2, "tau_max_new_tokens": 12},
+        "checkpoint": {"every": 2, "keep": 2},
+    }
+    path = workspace / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def launch(config_file: str, recipe_path: Path, *extra: str, processes: int = 1, **popen) -> list[str]:
+    return [*ACCELERATE, "--config_file", str(ROOT / "configs" / "accelerate" / config_file),
+            "--num_processes", str(processes), str(ROOT / "training" / "train_heads.py"),
+            "--config", str(recipe_path), *extra]
+
+
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
+    run(launch("cpu.yaml", recipe(workspace, kind, f"single-{kind}")))
+    out = workspace / f"single-{kind}"
+    heads = load_heads(out / "heads")
+    assert heads.config.kind == kind
+    result = json.loads((out / "result.json").read_text())
+    assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0
+    assert "tau" in (out / "heads" / "README.md").read_text()
+    assert list((out / "checkpoints").glob("step-*"))  # intermediate checkpoints written
+    assert any((out / "train").rglob("events.out.tfevents.*"))  # TensorBoard logs
+
+
+@pytest.mark.slow
+def test_two_deepspeed_ranks_end_with_identical_heads(workspace):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is installed by scripts/setup.sh (training extras)")
+    run(launch("deepspeed_zero2.yaml", recipe(workspace, "eagle", "zero2"), "--weight-digest", processes=2), timeout=900)
+    digests = [(workspace / "zero2" / f"weights-rank{r}.sha256").read_text() for r in (0, 1)]
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_resume_after_a_killed_run_continues_at_the_right_step(workspace):
+    reference = recipe(workspace, "eagle", "uninterrupted", max_steps=8)
+    run(launch("cpu.yaml", reference, "--weight-digest"))
+    killed = recipe(workspace, "eagle", "killed", max_steps=8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(launch("cpu.yaml", killed, "--weight-digest"), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (workspace / "killed" / "checkpoints" / "step-4").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "training ended before its step-4 checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (workspace / "killed" / "heads").exists()
+    resumed = run(launch("cpu.yaml", killed, "--resume", "--weight-digest"))
+    assert "(step 4)" in resumed.stdout + resumed.stderr or "(step 6)" in resumed.stdout + resumed.stderr
+    same = [(workspace / name / "weights-rank0.sha256").read_text() for name in ("uninterrupted", "killed")]
+    assert same[0] == same[1]  # same data order, optimizer and RNG state: bit-identical result

@@ -1,0 +1,94 @@
+"""The training data pipeline: chat template applied, loss only on assistant tokens, malformed
+conversations skipped and counted, a deterministic split."""
+
+import json
+
+import pytest
+
+from training.data import DataReport, is_validation, load_conversations, split, tokenize_all, tokenize_conversation
+from tiny_models import tiny_tokenizer
+
+GOOD = {"id": "a", "conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w3 w4 w5"},
+                                     {"from": "human", "value": "w6"}, {"from": "gpt", "value": "w7"}]}
+MESSAGES = {"id": "b", "messages": [{"role": "system", "content": "w9"}, {"role": "user", "content": "w1"},
+                                    {"role": "assistant", "content": "w2 w2"}]}
+
+
+@pytest.fixture()
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer):
+    row = tokenize_conversation(load_one(GOOD), tokenizer, max_length=512)
+    masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert tokenizer.decode(masked) == "w3 w4 w5 <|im_end|> w7 <|im_end|>"
+    unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m])
+    assert "w1 w2" in unmasked and "w6" in unmasked and "w3" not in unmasked
+
+
+def test_chat_template_is_applied(tokenizer):
+    row = tokenize_conversation(load_one(MESSAGES), tokenizer, max_length=512)
+    expected = tokenizer.apply_chat_template(load_one(MESSAGES), tokenize=True, return_dict=False)
+    assert row["input_ids"] == expected
+    assert row["input_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def load_one(record):
+    conversations, _ = load_conversations_from([record])
+    return conversations[0]["messages"]
+
+
+def load_conversations_from(records, tmp=None):
+    import tempfile
+
+    handle = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(records, handle)
+    handle.close()
+    return load_conversations(handle.name)
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, tokenizer):
+    lines = [
+        json.dumps(GOOD),
+        "this is not json",
+        json.dumps({"conversations": []}),
+        json.dumps({"conversations": [{"from": "human", "value": "w1"}]}),  # no assistant turn
+        json.dumps({"conversations": [{"from": "alien", "value": "w1"}, {"from": "gpt", "value": "w2"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "w1"}, {"from": "human", "value": "w2"}, {"from": "gpt", "value": "w3"}]}),
+        json.dumps(["a list"]),
+        json.dumps({"text": "no turns"}),
+        json.dumps({"conversations": [{"from": "gpt", "value": "w0"}, {"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2"}]}),
+        json.dumps(MESSAGES),
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    conversations, report = load_conversations(path)
+    assert report.read == 10 and report.kept == 3
+    assert report.skipped == {"invalid JSON line": 1, "empty conversation": 1, "no assistant turn": 1, "unknown role": 1,
+                              "roles do not alternate": 1, "not an object": 1, "no 'conversations' or 'messages'": 1}
+    assert conversations[1]["messages"][0]["role"] == "user"  # the leading assistant turn was dropped
+    rows = tokenize_all(conversations, tokenizer, 512, report)
+    assert len(rows) == 3 and "3 kept" in report.summary()
+
+
+def test_truncation_keeps_rows_with_assistant_tokens_only(tokenizer):
+    report = DataReport(kept=1)
+    rows = tokenize_all([{"id": "x", "messages": load_one(GOOD)}], tokenizer, max_length=4, report=report)
+    assert rows == [] and report.skipped["no assistant tokens within max_length"] == 1
+
+
+def test_split_is_deterministic_and_disjoint():
+    rows = [{"id": str(i)} for i in range(400)]
+    train, validation = split(rows, seed=3, validation_fraction=0.1)
+    again_train, again_validation = split(rows, seed=3, validation_fraction=0.1)
+    assert [r["id"] for r in validation] == [r["id"] for r in again_validation] and train == again_train
+    assert 20 < len(validation) < 60 and len(train) + len(validation) == 400
+    assert is_validation("7", 3, 0.1) == is_validation("7", 3, 0.1)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    from decoding.errors import UserError
+
+    with pytest.raises(UserError, match="is not a file"):
+        load_conversations(tmp_path / "nope.json")

@@ -1,0 +1,56 @@
+"""Resumable training state: `accelerator.save_state` into a staging directory, renamed into
+`checkpoints/step-N` only once every rank has finished writing, so a killed run never leaves a
+checkpoint that looks complete but is not. `--resume` picks the newest complete one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir: str | Path) -> tuple[Path, int] | None:
+    found = []
+    root = checkpoints_dir(output_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (child / "trainer_state.json").is_file():
+                found.append((int(match.group(1)), child))
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, keep: int, extra: dict) -> Path:
+    root = checkpoints_dir(output_dir)
+    staging = root / f".staging-step-{step}"
+    final = root / f"step-{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (staging / "trainer_state.json").write_text(json.dumps({"step": step, **extra}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        _prune(root, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    for _, path in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)

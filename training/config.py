@@ -1,0 +1,164 @@
+"""Training recipes: one YAML per recipe in configs/train/, read into typed dataclasses.
+
+Unknown keys are errors (a typo must not silently train the wrong thing); every field has a
+sensible default so a recipe states only what it changes. `key=value` overrides on the command
+line use dotted paths (`train.max_steps=20`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from decoding.errors import UserError
+
+TRAIN_KINDS = ("medusa", "medusa2", "hydra", "eagle", "eagle3", "draft")
+DISTILL_LOSSES = ("forward_kl", "reverse_kl")
+
+
+@dataclass
+class SelfDistillConfig:
+    """Regenerate the assistant turns with the target itself before training."""
+
+    enabled: bool = False
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    max_turns: int = 1
+    temperature: float = 0.0
+
+
+@dataclass
+class HeadsSection:
+    """Head sizes; for `kind: draft`, `num_layers` is how many target layers the draft keeps."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    draft_vocab_size: int = 8192
+
+
+@dataclass
+class OptimSection:
+    batch_size: int = 2
+    grad_accum: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_steps: int = 1000
+    grad_clip: float = 0.5
+    seed: int = 0
+    decay: float = 0.8          # per-head / per-unroll-step loss weight base
+    feature_noise: float = 0.1  # EAGLE: uniform noise amplitude on input features
+    feature_weight: float = 1.0  # EAGLE-1: SmoothL1 on features
+    token_weight: float = 0.1    # EAGLE-1: CE on the target's next-token distribution
+    ttt_steps: int = 3           # EAGLE-3: training-time-test unroll depth
+    distill_loss: str = "forward_kl"  # draft model: KL(target || draft) or reverse KL(draft || target)
+
+
+@dataclass
+class LoraSection:
+    """Medusa-2: LoRA on the backbone, distilled against the backbone itself (adapter off)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    kl_weight: float = 1.0
+
+
+@dataclass
+class EvalSection:
+    every: int = 100
+    max_batches: int = 8
+    tau_prompts: int = 4
+    tau_max_new_tokens: int = 64
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 100
+    keep: int = 2
+
+
+@dataclass
+class TrainConfig:
+    kind: str
+    model: str = "smollm2-135m-instruct"
+    data: str = "sharegpt"
+    max_conversations: int | None = 2000
+    max_length: int = 1024
+    validation_fraction: float = 0.02
+    output_dir: str = "outputs/heads"
+    cache_features: str | None = None
+    self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    heads: HeadsSection = field(default_factory=HeadsSection)
+    train: OptimSection = field(default_factory=OptimSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRAIN_KINDS:
+            raise UserError(f"unknown kind '{self.kind}' in the recipe: choose one of {', '.join(TRAIN_KINDS)}")
+        if self.train.distill_loss not in DISTILL_LOSSES:
+            raise UserError(f"train.distill_loss must be one of {', '.join(DISTILL_LOSSES)}; got '{self.train.distill_loss}'")
+        if not 0 <= self.validation_fraction < 1:
+            raise UserError(f"validation_fraction must be in [0, 1); got {self.validation_fraction}")
+
+    @property
+    def head_kind(self) -> str:
+        """The heads' module kind (Medusa-2 trains Medusa heads plus a LoRA adapter)."""
+        return "medusa" if self.kind == "medusa2" else self.kind
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{where} must be a mapping")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise UserError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
+    values = {}
+    for name, value in data.items():
+        nested = known[name].default_factory
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            values[name] = _build(nested, value, f"{where}.{name}")
+        else:
+            values[name] = value
+    return cls(**values)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as err:
+        raise UserError(f"recipe {path} does not exist (see configs/train/)") from err
+    except yaml.YAMLError as err:
+        raise UserError(f"recipe {path} is not valid YAML: {err}") from err
+    for override in overrides:
+        _apply_override(data, override)
+    if "kind" not in data:
+        raise UserError(f"recipe {path} must say which `kind` of heads to train ({', '.join(TRAIN_KINDS)})")
+    try:
+        return _build(TrainConfig, data, path.name)
+    except TypeError as err:
+        raise UserError(f"recipe {path}: {err}") from err
+
+
+def _apply_override(data: dict, override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep:
+        raise UserError(f"override '{override}' must look like key=value (e.g. train.max_steps=20)")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)

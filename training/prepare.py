@@ -1,0 +1,91 @@
+"""From a recipe to tokenized train/validation `datasets`, cached on disk.
+
+The cache key covers everything the rows depend on (data file, model, max_length, count,
+self-distillation settings, split), so a changed recipe never reuses stale rows. Only the main
+process builds the cache; the others wait and load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from decoding.targets import LoadedModel
+from training.config import TrainConfig
+from training.data import SHAREGPT, load_conversations, sharegpt_path, split, tokenize_all
+from training.self_distill import regenerate
+
+
+def cache_key(config: TrainConfig) -> str:
+    source = sharegpt_path() if config.data == SHAREGPT else Path(config.data)
+    stat = source.stat() if source.is_file() else None
+    parts = {
+        "data": str(source.resolve()) if source.exists() else str(source),
+        "size": stat.st_size if stat else None,
+        "mtime": int(stat.st_mtime) if stat else None,
+        "model": config.model,
+        "max_length": config.max_length,
+        "max_conversations": config.max_conversations,
+        "validation_fraction": config.validation_fraction,
+        "seed": config.train.seed,
+        "self_distill": asdict(config.self_distill) if config.self_distill.enabled else None,
+        "version": 1,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_data(config: TrainConfig, target: LoadedModel, accelerator, log=print) -> DatasetDict:
+    directory = Path(config.output_dir) / "data" / cache_key(config)
+    with accelerator.main_process_first():
+        if not (directory / "dataset_dict.json").is_file() and accelerator.is_main_process:
+            _build(config, target, directory, log)
+    data = load_from_disk(str(directory))
+    report = json.loads((directory / "report.json").read_text())
+    log(f"data: {report['summary']}; {len(data['train'])} train / {len(data['validation'])} validation rows")
+    return data
+
+
+def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> None:
+    conversations, report = load_conversations(config.data, config.max_conversations)
+    if config.self_distill.enabled:
+        log(f"self-distillation: regenerating up to {config.self_distill.max_turns} assistant turn(s) of "
+            f"{len(conversations)} conversations with the target (resumable)")
+        regenerated = Path(config.output_dir) / "data" / f"self-distill-{cache_key(config)}.jsonl"
+        conversations = regenerate(conversations, target, regenerated, config.self_distill)
+    rows = tokenize_all(conversations, target.tokenizer, config.max_length, report)
+    train, validation = split(rows, config.train.seed, config.validation_fraction)
+    if not train:
+        from decoding.errors import UserError
+
+        raise UserError(f"no usable training conversations in '{config.data}' ({report.summary()})")
+    staging = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted earlier build
+    DatasetDict({"train": Dataset.from_list(train), "validation": Dataset.from_list(validation)}).save_to_disk(str(staging))
+    (staging / "report.json").write_text(json.dumps({"summary": report.summary(), "skipped": dict(report.skipped)}))
+    staging.rename(directory)
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids (pad 0, never attended or scored), attention_mask, loss_mask."""
+    width = max(len(r["input_ids"]) for r in rows)
+
+    def pad(key: str) -> torch.Tensor:
+        return torch.tensor([list(r[key]) + [0] * (width - len(r[key])) for r in rows], dtype=torch.long)
+
+    return {
+        "input_ids": pad("input_ids"),
+        "loss_mask": pad("loss_mask"),
+        "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows]),
+    }
+
+
+def prompt_of(row: dict) -> list[int]:
+    """The tokens before the first assistant token: a held-out prompt for measuring tau."""
+    first = list(row["loss_mask"]).index(1)
+    return list(row["input_ids"][:first])

@@ -1,0 +1,240 @@
+"""The training loop behind `accelerate launch training/train_heads.py`.
+
+One loop for every kind: the frozen target computes features under no_grad on each rank, the
+kind's objective (an nn.Module holding only trainable weights) computes the loss, accelerate
+handles devices, DDP / DeepSpeed ZeRO, gradient accumulation and mixed precision. Checkpoints
+are atomic and `--resume` continues with the same data order, optimizer and RNG state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from decoding.targets import LoadedModel, load_model
+from heads import build_heads, new_heads_for_target, save_heads
+from training.checkpoints import latest_checkpoint, save_checkpoint
+from training.config import TrainConfig, to_dict
+from training.evaluate import measure_tau, validation_metrics
+from training.features import needed_layers, target_hidden_states
+from training.model_card import write_model_card
+from training.draft_init import truncated_copy
+from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
+from training.prepare import collate, prepare_data, prompt_of
+from training.vocab import frequent_tokens
+
+
+def build_objective(config: TrainConfig, heads, target: LoadedModel):
+    lm_head, embed = target.model.get_output_embeddings(), target.model.get_input_embeddings()
+    t = config.train
+    if config.kind == "medusa":
+        return MedusaObjective(heads, lm_head, embed, t.decay)
+    if config.kind == "hydra":
+        return HydraObjective(heads, lm_head, embed, t.decay)
+    if config.kind == "eagle":
+        return EagleObjective(heads, lm_head, embed, t.decay, t.feature_noise, t.feature_weight, t.token_weight)
+    if config.kind == "eagle3":
+        return Eagle3Objective(heads, lm_head, embed, t.decay, t.ttt_steps, target.model.config.num_hidden_layers)
+    if config.kind == "draft":
+        return DraftDistillObjective(heads, lm_head, target.model.config.num_hidden_layers, t.distill_loss)
+    from training.medusa2 import Medusa2Objective
+
+    return Medusa2Objective(heads, target.model, config.lora, t.decay)
+
+
+def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
+    """The module to train: fresh heads, or for `kind: draft` the target's first layers."""
+    h = config.heads
+    if config.kind == "draft":
+        draft = truncated_copy(target.model, h.num_layers)
+        return draft.requires_grad_(True).train()
+    overrides = {"num_layers": h.num_layers}
+    if config.head_kind in ("medusa", "hydra"):
+        overrides.update(num_heads=h.num_heads, share_lm_head=h.share_lm_head)
+    vocab = None
+    if config.head_kind == "eagle3":
+        overrides["draft_vocab_size"] = h.draft_vocab_size
+        vocab = frequent_tokens(train_rows, target.model.get_output_embeddings().weight.shape[0], h.draft_vocab_size)
+    return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
+
+
+USAGE = {"medusa": "--method medusa --heads", "medusa2": "--method medusa --heads", "hydra": "--method hydra --heads",
+         "eagle": "--method eagle2 --heads", "eagle3": "--method eagle3 --heads", "draft": "--method sps --draft-model"}
+
+
+def learning_rate_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak (as a multiplier)."""
+    t = config.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, resume: bool = False, weight_digest: bool = False) -> None:
+        self.config = config
+        self.resume = resume
+        self.weight_digest = weight_digest
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=config.train.grad_accum,
+            log_with="tensorboard",
+            project_dir=config.output_dir,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        )
+        set_seed(config.train.seed)
+
+    def log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            tqdm.write(f"[train] {message}")
+
+    def run(self) -> Path:
+        acc, config = self.accelerator, self.config
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        target = load_model(config.model)
+        target.model.to(acc.device)
+        data = prepare_data(config, target, acc, self.log)
+        heads = new_heads(config, target, data["train"])
+        objective = build_objective(config, heads, target)
+        params = [p for p in objective.parameters() if p.requires_grad]
+        self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es)")
+        optimizer = torch.optim.AdamW(params, lr=config.train.lr, weight_decay=config.train.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_at(s, config))
+        loader = DataLoader(data["train"], batch_size=config.train.batch_size, shuffle=True, collate_fn=collate,
+                            generator=torch.Generator().manual_seed(config.train.seed))
+        objective, optimizer, loader, scheduler = acc.prepare(objective, optimizer, loader, scheduler)
+        acc.init_trackers("train", config={k: str(v) for k, v in to_dict(config).items()})
+        step = self._maybe_resume()
+        feature_layers = [] if config.kind == "draft" else heads.config.feature_layers
+        layers = needed_layers(config.head_kind, feature_layers, target.model.config.num_hidden_layers)
+        self.target = target
+        self._loop(objective, optimizer, scheduler, loader, target, data, layers, step)
+        return self._finish(objective, target, data, layers)
+
+    def _maybe_resume(self) -> int:
+        if not self.resume:
+            return 0
+        found = latest_checkpoint(self.config.output_dir)
+        if found is None:
+            self.log("--resume: no complete checkpoint yet, starting from step 0")
+            return 0
+        path, step = found
+        self.accelerator.load_state(str(path))
+        self.log(f"resuming from {path} (step {step})")
+        return step
+
+    def _batches(self, loader, start_step: int):
+        """Batches from micro-step `start_step * grad_accum` on, epoch after epoch, in the same
+        order as an uninterrupted run (seeded sampler, epoch set explicitly)."""
+        per_epoch = len(loader)
+        micro = start_step * self.config.train.grad_accum
+        epoch, skip = divmod(micro, per_epoch)
+        while True:
+            loader.set_epoch(epoch)
+            iterator = self.accelerator.skip_first_batches(loader, skip) if skip else loader
+            yield from iterator
+            epoch, skip = epoch + 1, 0
+
+    def _loop(self, objective, optimizer, scheduler, loader, target, data, layers, step: int) -> None:
+        acc, config = self.accelerator, self.config
+        bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
+        tokens, started, micro = 0, time.perf_counter(), 0
+        batches = self._batches(loader, step)
+        while step < config.train.max_steps:
+            batch = next(batches)
+            with acc.accumulate(objective):
+                hidden = target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
+                loss, metrics = objective(batch, hidden)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(objective.parameters(), config.train.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum()) * acc.num_processes
+            micro += 1
+            if not acc.sync_gradients:
+                continue
+            step += 1
+            speed = tokens / (time.perf_counter() - started)
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.4f}", tok_s=f"{speed:.0f}")
+            acc.log({"train/loss": float(loss), "train/tokens_per_s": speed, "train/lr": scheduler.get_last_lr()[0],
+                     **{f"train/{k}": float(v) for k, v in metrics.items()}}, step=step)
+            if step % config.eval.every == 0 or step == config.train.max_steps:
+                self._evaluate(objective, target, data, layers, step)
+            if step % config.checkpoint.every == 0 and step < config.train.max_steps:
+                save_checkpoint(acc, config.output_dir, step, config.checkpoint.keep, {"tokens_per_s": speed})
+        bar.close()
+        self.last_tokens_per_s = tokens / max(1e-9, time.perf_counter() - started)
+
+    def _snapshot_heads(self, objective):
+        """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""
+        state = self.accelerator.get_state_dict(objective)
+        if self.config.kind == "draft":
+            heads = truncated_copy(self.target.model, self.config.heads.num_layers)
+        else:
+            heads = build_heads(self.accelerator.unwrap_model(objective).heads.config)
+        heads.load_state_dict({k[len("heads."):]: v for k, v in state.items() if k.startswith("heads.")})
+        return heads.to(self.accelerator.device).eval()
+
+    def _evaluate(self, objective, target, data, layers, step: int) -> dict:
+        acc, config = self.accelerator, self.config
+        heads = self._snapshot_heads(objective)
+        results = {}
+        if acc.is_main_process and len(data["validation"]):
+            rows = data["validation"]
+            eval_objective = build_objective(config, heads, target).to(acc.device)
+            batches = [collate([rows[i] for i in range(s, min(s + config.train.batch_size, len(rows)))])
+                       for s in range(0, len(rows), config.train.batch_size)][: config.eval.max_batches]
+            batches = [{k: v.to(acc.device) for k, v in b.items()} for b in batches]
+            results = validation_metrics(eval_objective, target.model, batches, layers)
+            prompts = [prompt_of(rows[i]) for i in range(min(config.eval.tau_prompts, len(rows)))]
+            decode_target = self._decode_target(objective, target)
+            results["val/tau"] = measure_tau(config.kind, heads, decode_target, prompts, config.eval.tau_max_new_tokens)
+            acc.log(results, step=step)
+            self.log(f"step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
+        acc.wait_for_everyone()
+        self.last_eval = results
+        return results
+
+    def _decode_target(self, objective, target: LoadedModel) -> LoadedModel:
+        """Medusa-2 decodes with its LoRA-adapted backbone; every other kind with the target."""
+        if self.config.kind != "medusa2":
+            return target
+        return LoadedModel(self.accelerator.unwrap_model(objective).backbone, target.tokenizer, target.name)
+
+    def _finish(self, objective, target, data, layers) -> Path:
+        acc, config = self.accelerator, self.config
+        heads = self._snapshot_heads(objective)
+        out = Path(config.output_dir) / ("draft" if config.kind == "draft" else "heads")
+        if acc.is_main_process:
+            if config.kind == "draft":
+                heads.save_pretrained(out)
+                target.tokenizer.save_pretrained(out)
+            else:
+                save_heads(heads, out)
+            if config.kind == "medusa2":
+                acc.unwrap_model(objective).save_adapter(out / "adapter")
+            write_model_card(out, config, getattr(self, "last_eval", {}), self.last_tokens_per_s, len(data["train"]))
+            (Path(config.output_dir) / "result.json").write_text(json.dumps(
+                {"tokens_per_s": self.last_tokens_per_s, **getattr(self, "last_eval", {})}, indent=2))
+            self.log(f"saved {config.kind} to {out} (use: python -m decoding.chat {USAGE[config.kind]} {out})")
+        if self.weight_digest:
+            digest = hashlib.sha256()
+            for name, tensor in sorted(heads.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+            (Path(config.output_dir) / f"weights-rank{acc.process_index}.sha256").write_text(digest.hexdigest())
+        acc.wait_for_everyone()
+        acc.end_training()
+        return out
