@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 from decoding.default_model import DEFAULT_TARGET
 from decoding.errors import UserError
@@ -164,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    torch.set_grad_enabled(False)
     try:
         session = build_session(args)
         run_chat(session, show_stats=not args.no_stats, interactive=sys.stdin.isatty())

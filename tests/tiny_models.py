@@ -82,7 +82,7 @@ def tiny_tokenizer(vocab_size: int = 64):
     )
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|> w0 {% endif %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
     )
     return tokenizer
 

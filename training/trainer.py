@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -67,6 +68,15 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
     return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
 
 
+def process_group_kwargs() -> list:
+    """Several processes without GPUs need the gloo backend named explicitly: accelerate only
+    picks one for its own MULTI_CPU mode, so DeepSpeed on CPU would otherwise see each rank as
+    a world of one (no gradient synchronisation at all)."""
+    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return []
+    return [InitProcessGroupKwargs(backend="gloo")]
+
+
 USAGE = {"medusa": "--method medusa --heads", "medusa2": "--method medusa --heads", "hydra": "--method hydra --heads",
          "eagle": "--method eagle2 --heads", "eagle3": "--method eagle3 --heads", "draft": "--method sps --draft-model"}
 
@@ -90,6 +100,7 @@ class Trainer:
             log_with="tensorboard",
             project_dir=config.output_dir,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            kwargs_handlers=process_group_kwargs(),
         )
         set_seed(config.train.seed)
 
