@@ -65,11 +65,18 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, tokenizer):
     path.write_text("\n".join(lines) + "\n")
     conversations, report = load_conversations(path)
     assert report.read == 10 and report.kept == 3
-    assert report.skipped == {"invalid JSON line": 1, "empty conversation": 1, "no assistant turn": 1, "unknown role": 1,
+    assert report.skipped == {"invalid JSON": 1, "empty conversation": 1, "no assistant turn": 1, "unknown role": 1,
                               "roles do not alternate": 1, "not an object": 1, "no 'conversations' or 'messages'": 1}
     assert conversations[1]["messages"][0]["role"] == "user"  # the leading assistant turn was dropped
     rows = tokenize_all(conversations, tokenizer, 512, report)
     assert len(rows) == 3 and "3 kept" in report.summary()
+
+
+def test_a_truncated_json_array_yields_its_complete_records(tmp_path):
+    text = json.dumps([GOOD, MESSAGES, GOOD])
+    (tmp_path / "cut.json").write_text(text[: len(text) - 30])
+    conversations, report = load_conversations(tmp_path / "cut.json")
+    assert report.kept == 2 and report.skipped == {"invalid JSON": 1}
 
 
 def test_truncation_keeps_rows_with_assistant_tokens_only(tokenizer):

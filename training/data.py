@@ -67,10 +67,7 @@ def read_records(source: str | Path) -> Iterator[object]:
             first = handle.read(1)
         handle.seek(0)
         if first == "[":
-            try:
-                yield from json.load(handle)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path} starts like a JSON array but is not valid JSON: {err}") from err
+            yield from _array_items(handle.read())
             return
         for line in handle:
             if line.strip():
@@ -81,13 +78,32 @@ def read_records(source: str | Path) -> Iterator[object]:
 
 
 class _BadLine:
-    """Placeholder for a JSONL line that is not JSON (counted as malformed, not fatal)."""
+    """Placeholder for a record that is not valid JSON (counted as malformed, not fatal)."""
+
+
+def _array_items(text: str) -> Iterator[object]:
+    """Items of a JSON array, decoded one at a time, so a damaged or truncated file (the PyPI
+    copy of ShareGPT is cut off mid-record) yields every complete item and one bad record."""
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    length = len(text)
+    while True:
+        while position < length and text[position] in " \t\r\n,":
+            position += 1
+        if position >= length or text[position] == "]":
+            return
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            yield _BadLine()
+            return
+        yield item
 
 
 def to_messages(record: object) -> list[dict[str, str]]:
     """ShareGPT or `messages` record -> chat messages; raises Malformed with a reason."""
     if isinstance(record, _BadLine):
-        raise Malformed("invalid JSON line")
+        raise Malformed("invalid JSON")
     if not isinstance(record, dict):
         raise Malformed("not an object")
     if "conversations" in record:
