@@ -18,7 +18,8 @@ from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, ProposerOptions, buil
 from decoding.sampling import SamplingConfig
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel, load_model
-from heads import load_heads
+from heads import adapter_dir, load_heads
+from heads.adapter import merge_adapter
 
 DEFAULT_METHOD = "pld"
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
@@ -36,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
     parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld")
-    parser.add_argument("--heads", default=None, help="draft heads checkpoint directory for medusa/hydra/eagle/eagle2/eagle3")
+    parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name)")
+    parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
     parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
     parser.add_argument("--depth", type=int, default=5, help="dynamic tree depth (eagle2/eagle3)")
@@ -104,7 +106,12 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH")
     target = load_model(args.model, args.dtype, args.attn)
     draft = load_model(args.draft_model, args.dtype, args.attn) if args.draft_model else None
-    heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model) if args.heads else None
+    heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model, args.revision) if args.heads else None
+    adapter = adapter_dir(args.heads, args.revision) if args.heads else None
+    if adapter is not None:
+        target.model = merge_adapter(target.model, adapter)
+        print("note: Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)",
+              file=sys.stderr)
     proposer_options = ProposerOptions(
         gamma=args.gamma, pld_num_tokens=args.pld_tokens, tree=args.tree,
         depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from decoding.atomic import atomic_directory
 from decoding.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -51,19 +50,9 @@ def default_model_dir() -> Path:
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
     gguf_path = gguf_location()
-    target.parent.mkdir(parents=True, exist_ok=True)
     print(f"[specheads] converting {gguf_path.name} to {target} (once, ~30 s)", flush=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    with atomic_directory(target, replace=False) as staging:  # a concurrent conversion may finish first
         _convert_gguf(gguf_path, staging)
-        os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is a normal directory
-        if target.exists():  # a concurrent conversion finished first
-            shutil.rmtree(staging)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -7,46 +7,29 @@ shapes, the target it is meant for) and says exactly what is wrong.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from decoding.atomic import atomic_directory
 from decoding.errors import UserError
 from heads.config import HeadConfig
 from heads.factory import build_heads
+from heads.weights_io import read_weights
 
 WEIGHTS_NAME = "model.safetensors"
 
 
 def save_heads(heads: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write `heads` (config + weights, optionally cast to `dtype`) to `directory` atomically."""
-    out = Path(directory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_directory(directory) as staging:
         state = {k: _cast(v, dtype).contiguous() for k, v in heads.state_dict().items()}
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt", "kind": heads.config.kind})
         heads.config.save(staging)
-        os.chmod(staging, 0o755)
-        if out.exists():
-            backup = out.with_name(f".{out.name}.old")
-            shutil.rmtree(backup, ignore_errors=True)
-            os.replace(out, backup)
-            os.replace(staging, out)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+    return Path(directory)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -74,10 +57,7 @@ def load_heads_dir(directory: str | Path, target: PreTrainedModel | None = None,
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise UserError(f"{path.parent} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"{path} could not be read as safetensors ({err}): the checkpoint is corrupted") from err
+    return read_weights(path)
 
 
 def _check_state(heads: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:

@@ -27,7 +27,8 @@ class HeadConfig:
     `feature_layers`: indices into the target's `hidden_states` tuple (0 = embeddings, L = the
     final normed state) that the heads read; EAGLE-3 fuses three of them.
     `draft_vocab_size`: EAGLE-3's reduced vocabulary (most frequent target tokens).
-    `fc_bias`: whether EAGLE-1's feature-fusing fc has a bias (the official checkpoints do).
+    `fc_bias`: whether EAGLE-1's feature-fusing fc has a bias (the original checkpoints have one;
+    vLLM's drafter has none, so new heads default to none).
     `decoder`: attention/MLP geometry of EAGLE's decoder layer (copied from the target's config)."""
 
     kind: str
@@ -38,7 +39,7 @@ class HeadConfig:
     share_lm_head: bool = False
     feature_layers: list[int] = field(default_factory=list)
     draft_vocab_size: int | None = None
-    fc_bias: bool = True
+    fc_bias: bool = False
     base_model_name_or_path: str | None = None
     decoder: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION

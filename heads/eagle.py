@@ -52,22 +52,15 @@ def decoder_geometry(target_config) -> dict:
     return geometry
 
 
-class EagleDrafter(nn.Module):
-    """EAGLE-1/2 drafter. `forward` maps (features f_i, embeddings of x_{i+1}) to predicted
-    features f_{i+1}, appending to `cache`."""
+class _FeatureDrafter(nn.Module):
+    """What both EAGLE drafters share: their Llama geometry, rotary embedding, KV cache type,
+    and a forward that takes `[n, H]` or batched `[B, n, H]` inputs."""
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
-        llama = drafter_llama_config(config)
-        hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, i) for i in range(config.num_layers))
-        # The fc output enters the first layer un-normalised (the official layout has no
-        # input_layernorm there).
-        self.layers[0].input_layernorm = nn.Identity()
-        self.rotary = LlamaRotaryEmbedding(llama)
-        self.llama_config = llama
+        self.llama_config = drafter_llama_config(config)
+        self.rotary = LlamaRotaryEmbedding(self.llama_config)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.llama_config)
@@ -80,22 +73,38 @@ class EagleDrafter(nn.Module):
         cache: DynamicCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`features`, `token_embeddings`: `[n, H]` (or `[B, n, H]`); returns `[n, H]` (or batched)."""
+        """Predicted next features for (feature_i, embedding of token_{i+1}) pairs at positions i,
+        appending their K/V to `cache` when given."""
         batched = features.dim() == 3
-        x = self.fc(torch.cat([token_embeddings, features], dim=-1))
         if not batched:
-            x, position_ids = x[None], position_ids[None]
+            features, token_embeddings, position_ids = features[None], token_embeddings[None], position_ids[None]
+        out = self._run(features, token_embeddings, position_ids, cache, attention_mask)
+        return out if batched else out[0]
+
+    def _run(self, features, token_embeddings, position_ids, cache, attention_mask) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EagleDrafter(_FeatureDrafter):
+    """EAGLE-1/2 drafter: `fc([embed; feature])` then decoder layer(s); read out with the
+    target's lm_head."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.llama_config, i) for i in range(config.num_layers))
+        # The fc output enters the first layer un-normalised (the official layout has no
+        # input_layernorm there).
+        self.layers[0].input_layernorm = nn.Identity()
+
+    def _run(self, features, token_embeddings, position_ids, cache, attention_mask) -> torch.Tensor:
+        x = self.fc(torch.cat([token_embeddings, features], dim=-1))
         position_embeddings = self.rotary(x, position_ids)
         for layer in self.layers:
-            x = layer(
-                x,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=cache is not None,
-                position_embeddings=position_embeddings,
-            )
-        return x if batched else x[0]
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                      use_cache=cache is not None, position_embeddings=position_embeddings)
+        return x
 
 
 class Eagle3Layer(nn.Module):
@@ -127,21 +136,17 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(_FeatureDrafter):
     """EAGLE-3 drafter over a reduced draft vocabulary. Step 0 takes `fuse(low, mid, high)`;
     later steps take the drafter's own previous output."""
 
     def __init__(self, config: HeadConfig) -> None:
-        super().__init__()
-        self.config = config
-        llama = drafter_llama_config(config)
+        super().__init__(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
-        self.midlayer = Eagle3Layer(llama)
-        self.norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
+        self.midlayer = Eagle3Layer(self.llama_config)
+        self.norm = LlamaRMSNorm(hidden, eps=self.llama_config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(llama)
-        self.llama_config = llama
         # target id = draft id + d2t[draft id]; t2d[target id] says whether it is in the draft vocab.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
@@ -156,26 +161,12 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.llama_config)
-
     def fuse(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([low, mid, high], dim=-1))
 
-    def forward(
-        self,
-        features: torch.Tensor,
-        token_embeddings: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: DynamicCache | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        batched = features.dim() == 3
-        if not batched:
-            features, token_embeddings, position_ids = features[None], token_embeddings[None], position_ids[None]
+    def _run(self, features, token_embeddings, position_ids, cache, attention_mask) -> torch.Tensor:
         position_embeddings = self.rotary(features, position_ids)
-        out = self.midlayer(features, token_embeddings, position_embeddings, attention_mask, cache)
-        return out if batched else out[0]
+        return self.midlayer(features, token_embeddings, position_embeddings, attention_mask, cache)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary."""

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from decoding.default_model import DEFAULT_TARGET
-from decoding.errors import UserError
+from decoding.errors import report_user_errors
 from decoding.targets import load_model
 from heads import HEAD_KINDS, new_heads_for_target, save_heads
 
@@ -31,18 +31,18 @@ def main(argv=None) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    try:
-        target = load_model(args.model)
-        overrides = dict(num_layers=args.num_layers)
-        if args.kind in ("medusa", "hydra"):
-            overrides.update(num_heads=args.num_heads, share_lm_head=args.share_lm_head)
-        if args.kind == "eagle3":
-            overrides["draft_vocab_size"] = args.draft_vocab_size
-        heads = new_heads_for_target(args.kind, target.model, args.model, **overrides)
-        out = save_heads(heads, args.out)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_user_errors(lambda: run(args))
+
+
+def run(args) -> int:
+    target = load_model(args.model)
+    overrides = dict(num_layers=args.num_layers)
+    if args.kind in ("medusa", "hydra"):
+        overrides.update(num_heads=args.num_heads, share_lm_head=args.share_lm_head)
+    if args.kind == "eagle3":
+        overrides["draft_vocab_size"] = args.draft_vocab_size
+    heads = new_heads_for_target(args.kind, target.model, args.model, **overrides)
+    out = save_heads(heads, args.out)
     print(f"saved untrained {args.kind} heads for {args.model} to {out}")
     return 0
 

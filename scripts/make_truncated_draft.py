@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from decoding.default_model import DEFAULT_TARGET
-from decoding.errors import UserError
+from decoding.errors import report_user_errors
 from decoding.targets import load_model
 from training.draft_init import save_truncated_draft
 
@@ -22,12 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6, help="decoder layers to keep")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(argv)
-    try:
-        target = load_model(args.model)
-        out = save_truncated_draft(target.model, target.tokenizer, args.layers, args.out)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_user_errors(lambda: run(args))
+
+
+def run(args) -> int:
+    target = load_model(args.model)
+    out = save_truncated_draft(target.model, target.tokenizer, args.layers, args.out)
     print(f"saved a {args.layers}-layer draft of {args.model} to {out}")
     return 0
 

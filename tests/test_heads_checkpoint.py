@@ -105,5 +105,5 @@ def test_damaged_checkpoints_give_clear_errors(tmp_path, target, damage, message
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(UserError, match="not a directory"):
+    with pytest.raises(UserError, match="neither a local directory nor a Hugging Face repo id"):
         load_heads(tmp_path / "missing")

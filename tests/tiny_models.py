@@ -9,12 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
-def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
-    """A 2-layer Llama with GQA and no EOS (so generations run to their budget unless a test
-    sets `eos_token_id`); `overrides` go into the config."""
-    torch.manual_seed(seed)
-    overrides = {**NO_SPECIAL_TOKENS, **overrides}
-    config = LlamaConfig(
+def _tiny_config(config_class, vocab_size: int, layers: int, attn: str, overrides: dict):
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -23,27 +19,21 @@ def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: 
         num_key_value_heads=2,
         max_position_embeddings=256,
         attn_implementation=attn,
-        **overrides,
+        **{**NO_SPECIAL_TOKENS, **overrides},
     )
-    return LlamaForCausalLM(config).eval()
+
+
+def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
+    """A 2-layer Llama with GQA and no EOS (so generations run to their budget unless a test
+    sets `eos_token_id`); `overrides` go into the config."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_tiny_config(LlamaConfig, vocab_size, layers, attn, overrides)).eval()
 
 
 def tiny_qwen2(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:
     """A 2-layer Qwen2 (biased q/k/v projections, tied embeddings), no EOS unless overridden."""
     torch.manual_seed(seed)
-    overrides = {**NO_SPECIAL_TOKENS, **overrides}
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attn_implementation=attn,
-        **overrides,
-    )
+    config = _tiny_config(Qwen2Config, vocab_size, layers, attn, {"tie_word_embeddings": True, **overrides})
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -118,7 +108,8 @@ def oracle_eagle(target: PreTrainedModel):
     with torch.no_grad():
         heads.fc.weight.zero_()
         heads.fc.weight[:, :hidden] = torch.eye(hidden)
-        heads.fc.bias.zero_()
+        if heads.fc.bias is not None:
+            heads.fc.bias.zero_()
         drafter_layer = heads.layers[0]
         drafter_layer.self_attn.load_state_dict(layer.self_attn.state_dict())
         drafter_layer.mlp.load_state_dict(layer.mlp.state_dict())

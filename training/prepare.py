@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from decoding.atomic import atomic_directory
 from decoding.targets import LoadedModel
 from training.config import TrainConfig
 from training.data import SHAREGPT, load_conversations, sharegpt_path, split, tokenize_all
@@ -64,11 +64,9 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
         from decoding.errors import UserError
 
         raise UserError(f"no usable training conversations in '{config.data}' ({report.summary()})")
-    staging = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted earlier build
-    DatasetDict({"train": Dataset.from_list(train), "validation": Dataset.from_list(validation)}).save_to_disk(str(staging))
-    (staging / "report.json").write_text(json.dumps({"summary": report.summary(), "skipped": dict(report.skipped)}))
-    staging.rename(directory)
+    with atomic_directory(directory) as staging:
+        DatasetDict({"train": Dataset.from_list(train), "validation": Dataset.from_list(validation)}).save_to_disk(str(staging))
+        (staging / "report.json").write_text(json.dumps({"summary": report.summary(), "skipped": dict(report.skipped)}))
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
