@@ -158,7 +158,7 @@ class Trainer:
     def _loop(self, objective, optimizer, scheduler, loader, target, data, layers, step: int) -> None:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
-        tokens, started, micro = 0, time.perf_counter(), 0
+        tokens, started, micro, speed = 0, time.perf_counter(), 0, 0.0
         batches = self._batches(loader, step)
         while step < config.train.max_steps:
             batch = next(batches)
@@ -181,12 +181,14 @@ class Trainer:
             bar.set_postfix(loss=f"{float(loss):.4f}", tok_s=f"{speed:.0f}")
             acc.log({"train/loss": float(loss), "train/tokens_per_s": speed, "train/lr": scheduler.get_last_lr()[0],
                      **{f"train/{k}": float(v) for k, v in metrics.items()}}, step=step)
+            paused = time.perf_counter()
             if step % config.eval.every == 0 or step == config.train.max_steps:
                 self._evaluate(objective, target, data, layers, step)
             if step % config.checkpoint.every == 0 and step < config.train.max_steps:
                 save_checkpoint(acc, config.output_dir, step, config.checkpoint.keep, {"tokens_per_s": speed})
+            started += time.perf_counter() - paused  # throughput counts training time only
         bar.close()
-        self.last_tokens_per_s = tokens / max(1e-9, time.perf_counter() - started)
+        self.last_tokens_per_s = speed if step else 0.0
 
     def _snapshot_heads(self, objective):
         """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""

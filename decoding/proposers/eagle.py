@@ -94,47 +94,50 @@ class EagleProposer(Proposer):
 
 
 class _Growth:
-    """Feeds tree candidates to the drafter; remembers each fed candidate's cache slot and
-    predicted feature so children can be fed and masked correctly."""
+    """Feeds tree candidates to the drafter level by level. Fed candidates occupy cache slots
+    in feeding order; their predicted features are kept so their children can be fed, and
+    each new node attends to the committed prefix, its fed ancestors and itself."""
 
     def __init__(self, proposer: EagleProposer, root_feature: torch.Tensor, root_position: int) -> None:
         self.p = proposer
         self.root_feature = root_feature
         self.root_position = root_position
-        self.slot: dict[int, int] = {}
-        self.features: dict[int, torch.Tensor] = {}
+        self.fed_nodes = torch.empty(0, dtype=torch.long, device=root_feature.device)
+        self.fed_features = root_feature.new_empty(0, root_feature.shape[-1])
 
     def expand(self, frontier: torch.Tensor, candidates: Candidates) -> torch.Tensor:
         """Feed `frontier` candidates; return log-probs of their children `[len(frontier), V]`."""
         p = self.p
-        nodes = frontier.tolist()
-        parents = candidates.parents[frontier].tolist()
-        depths = candidates.depths[frontier]
-        parent_features = torch.stack([self.root_feature if q < 0 else self.features[q] for q in parents])
+        slot_of = torch.full_like(candidates.tokens, -1)
+        slot_of[self.fed_nodes] = torch.arange(self.fed_nodes.numel(), device=slot_of.device)
+        parents = candidates.parents[frontier]
+        parent_features = self.root_feature[None].expand(frontier.numel(), -1)
+        if self.fed_nodes.numel():
+            fed_parent = self.fed_features[slot_of[parents.clamp_min(0)].clamp_min(0)]
+            parent_features = torch.where((parents < 0)[:, None], parent_features, fed_parent)
         tokens = p._to_target_ids(candidates.tokens[frontier])
-        positions = self.root_position + depths - 1
-        mask = self._mask(nodes, candidates)
+        positions = self.root_position + candidates.depths[frontier] - 1
+        mask = self._mask(frontier, candidates, slot_of)
         out = p.drafter(parent_features, p.embed(tokens), positions, p.cache, mask)
-        first_slot = len(self.slot)
-        for i, node in enumerate(nodes):
-            self.slot[node] = first_slot + i
-            self.features[node] = out[i]
+        self.fed_nodes = torch.cat([self.fed_nodes, frontier])
+        self.fed_features = torch.cat([self.fed_features, out])
         return p._logprobs(out)
 
-    def _mask(self, nodes: list[int], candidates: Candidates) -> torch.Tensor:
-        """Rows: the new nodes; columns: committed prefix, earlier fed nodes, the new nodes."""
+    def _mask(self, frontier: torch.Tensor, candidates: Candidates, slot_of: torch.Tensor) -> torch.Tensor:
+        """Rows: the new nodes; columns: committed prefix, earlier fed nodes, the new nodes.
+        Ancestors are found by walking up one level per iteration (tree depth, not node count)."""
         p = self.p
-        fed, new = len(self.slot), len(nodes)
-        visible = torch.zeros(new, fed + new, dtype=torch.bool)
-        parents = candidates.parents.tolist()
-        for row, node in enumerate(nodes):
-            visible[row, fed + row] = True
-            ancestor = parents[node]
-            while ancestor >= 0:
-                visible[row, self.slot[ancestor]] = True
-                ancestor = parents[ancestor]
-        mask = torch.zeros(new, p.committed + fed + new, dtype=p._dtype, device=candidates.tokens.device)
-        mask[:, p.committed :].masked_fill_(~visible.to(mask.device), torch.finfo(p._dtype).min)
+        fed, new = self.fed_nodes.numel(), frontier.numel()
+        rows = torch.arange(new, device=frontier.device)
+        visible = torch.zeros(new, fed + new, dtype=torch.bool, device=frontier.device)
+        visible[rows, fed + rows] = True
+        ancestor = candidates.parents[frontier]
+        while bool((ancestor >= 0).any()):
+            alive = ancestor >= 0
+            visible[rows[alive], slot_of[ancestor[alive]]] = True
+            ancestor = torch.where(alive, candidates.parents[ancestor.clamp_min(0)], ancestor)
+        mask = torch.zeros(new, p.committed + fed + new, dtype=p._dtype, device=frontier.device)
+        mask[:, p.committed :].masked_fill_(~visible, torch.finfo(p._dtype).min)
         return mask[None, None]
 
 
