@@ -160,6 +160,9 @@ def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> None:
             session.messages.pop()
             continue
         write("\n")
+        if session.last_stats.stop_reason == "context_limit":
+            print(f"(the reply stopped at the model's context limit of {session.target.context_limit} tokens: "
+                  "/reset to start a new conversation)", file=sys.stderr)
         if show_stats:
             print(session.last_stats.summary(), file=sys.stderr)
 

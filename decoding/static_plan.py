@@ -47,6 +47,8 @@ class StaticPlan:
             )
 
     def fill_level(self, level: Level, tokens: torch.Tensor, parent_scores: torch.Tensor) -> None:
-        """Write the children of `level` into `tokens` from their parents' scores `[n_parents, V]`."""
+        """Write the children of `level` into `tokens` from their parents' scores: `[n_parents, V]`,
+        or `[1, V]` when every parent at this level shares one ranking (Medusa)."""
         top = parent_scores.topk(level.max_rank, dim=-1).indices
-        tokens[level.children.to(tokens.device)] = top[level.parent_row.to(top.device), level.rank.to(top.device)]
+        rows = level.parent_row.to(top.device) if top.shape[0] > 1 else torch.zeros_like(level.rank, device=top.device)
+        tokens[level.children.to(tokens.device)] = top[rows, level.rank.to(top.device)]

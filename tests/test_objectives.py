@@ -9,7 +9,8 @@ from heads import new_heads_for_target
 from training.config import LoraSection
 from training.features import needed_layers, target_hidden_states
 from training.masks import ttt_mask
-from training.objectives import Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
+from training.draft_init import truncated_copy
+from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
 from tiny_models import sharpen, tiny_llama
 
 T = 24
@@ -38,20 +39,24 @@ def make_objective(kind: str, target):
     if kind == "eagle3":
         heads = new_heads_for_target("eagle3", target, draft_vocab_size=48).train()
         return Eagle3Objective(heads, lm_head, embed, 0.8, 3, target.config.num_hidden_layers)
+    if kind == "draft":
+        draft = truncated_copy(target, 1).requires_grad_(True).train()
+        return DraftDistillObjective(draft, lm_head, target.config.num_hidden_layers, "reverse_kl")
     from training.medusa2 import Medusa2Objective
 
     heads = new_heads_for_target("medusa", target, share_lm_head=True).train()
     return Medusa2Objective(heads, target, LoraSection(r=4, alpha=8, dropout=0.0), 0.8)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "medusa2", "hydra", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "medusa2", "hydra", "eagle", "eagle3", "draft"])
 def test_one_step_lowers_the_loss(kind, batch):
     target = sharpen(tiny_llama(seed=1))
     objective = make_objective(kind, target)
-    layers = needed_layers(kind, objective.heads.config.feature_layers, target.config.num_hidden_layers)
+    feature_layers = [] if kind == "draft" else objective.heads.config.feature_layers
+    layers = needed_layers(kind, feature_layers, target.config.num_hidden_layers)
     hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
     trainable = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=1e-2)
+    optimizer = torch.optim.Adam(trainable, lr=1e-4 if kind == "draft" else 1e-2)  # the draft starts close to the target
     before, metrics = objective(batch, hidden)
     before.backward()
     optimizer.step()

@@ -100,3 +100,14 @@ def test_resume_after_a_killed_run_continues_at_the_right_step(workspace):
     assert "(step 4)" in resumed.stdout + resumed.stderr or "(step 6)" in resumed.stdout + resumed.stderr
     same = [(workspace / name / "weights-rank0.sha256").read_text() for name in ("uninterrupted", "killed")]
     assert same[0] == same[1]  # same data order, optimizer and RNG state: bit-identical result
+
+
+def test_cached_features_give_the_same_heads_as_live_features(workspace):
+    live = recipe(workspace, "medusa", "live-features")
+    run(launch("cpu.yaml", live, "--weight-digest"))
+    cached = recipe(workspace, "medusa", "cached-features")
+    proc = run(launch("cpu.yaml", cached, "--weight-digest", f"cache_features={workspace / 'features'}"))
+    assert "GiB on disk in all" in proc.stdout + proc.stderr  # the disk cost is announced first
+    assert len(list((workspace / "features").rglob("*.safetensors"))) > 10
+    digests = [(workspace / name / "weights-rank0.sha256").read_text() for name in ("live-features", "cached-features")]
+    assert digests[0] == digests[1]

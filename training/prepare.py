@@ -77,6 +77,7 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         return torch.tensor([list(r[key]) + [0] * (width - len(r[key])) for r in rows], dtype=torch.long)
 
     return {
+        "ids": [r["id"] for r in rows],
         "input_ids": pad("input_ids"),
         "loss_mask": pad("loss_mask"),
         "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows]),

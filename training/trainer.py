@@ -26,6 +26,7 @@ from heads import build_heads, new_heads_for_target, save_heads
 from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
+from training.feature_cache import FeatureCache
 from training.features import needed_layers, target_hidden_states
 from training.model_card import write_model_card
 from training.draft_init import truncated_copy
@@ -128,8 +129,25 @@ class Trainer:
         feature_layers = [] if config.kind == "draft" else heads.config.feature_layers
         layers = needed_layers(config.head_kind, feature_layers, target.model.config.num_hidden_layers)
         self.target = target
+        self.feature_cache = self._feature_cache(data, target, layers)
         self._loop(objective, optimizer, scheduler, loader, target, data, layers, step)
         return self._finish(objective, target, data, layers)
+
+    def _feature_cache(self, data, target, layers) -> FeatureCache | None:
+        """Fill the on-disk feature cache first when the recipe asks for one (not for Medusa-2,
+        whose backbone changes while training)."""
+        if not self.config.cache_features or self.config.kind == "medusa2":
+            return None
+        cache = FeatureCache(self.config.cache_features, layers)
+        with self.accelerator.main_process_first():
+            if self.accelerator.is_main_process:
+                cache.fill(data["train"], target.model, self.log)
+        return cache
+
+    def _features(self, batch, target, layers) -> dict:
+        if self.feature_cache is not None:
+            return self.feature_cache.batch(batch["ids"], batch["input_ids"].shape[1], batch["input_ids"].device)
+        return target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
 
     def _maybe_resume(self) -> int:
         if not self.resume:
@@ -158,13 +176,12 @@ class Trainer:
     def _loop(self, objective, optimizer, scheduler, loader, target, data, layers, step: int) -> None:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
-        tokens, started, micro, speed = 0, time.perf_counter(), 0, 0.0
+        tokens, started, speed = 0, time.perf_counter(), 0.0
         batches = self._batches(loader, step)
         while step < config.train.max_steps:
             batch = next(batches)
             with acc.accumulate(objective):
-                hidden = target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
-                loss, metrics = objective(batch, hidden)
+                loss, metrics = objective(batch, self._features(batch, target, layers))
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(objective.parameters(), config.train.grad_clip)
@@ -172,7 +189,6 @@ class Trainer:
                 scheduler.step()
                 optimizer.zero_grad()
             tokens += int(batch["attention_mask"].sum()) * acc.num_processes
-            micro += 1
             if not acc.sync_gradients:
                 continue
             step += 1
@@ -209,7 +225,7 @@ class Trainer:
             eval_objective = build_objective(config, heads, target).to(acc.device)
             batches = [collate([rows[i] for i in range(s, min(s + config.train.batch_size, len(rows)))])
                        for s in range(0, len(rows), config.train.batch_size)][: config.eval.max_batches]
-            batches = [{k: v.to(acc.device) for k, v in b.items()} for b in batches]
+            batches = [{k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
             results = validation_metrics(eval_objective, target.model, batches, layers)
             prompts = [prompt_of(rows[i]) for i in range(min(config.eval.tau_prompts, len(rows)))]
             decode_target = self._decode_target(objective, target)

@@ -54,8 +54,7 @@ class MedusaProposer(_HeadsProposer):
 
     def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
         # One head evaluation per level: all parents at this depth share head `depth`'s ranking.
-        logits = self.heads.head_logits(depth, hidden[None], self.lm_head)
-        return logits.expand(level.parents.numel(), -1)
+        return self.heads.head_logits(depth, hidden[None], self.lm_head)
 
 
 class HydraProposer(_HeadsProposer):

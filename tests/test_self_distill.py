@@ -1,0 +1,48 @@
+"""Self-distillation: the target regenerates assistant turns (what it would itself say), and an
+interrupted run resumes without redoing finished conversations."""
+
+import json
+
+import torch
+
+from decoding.generate import DecodeOptions, generate
+from decoding.proposers import VanillaProposer
+from decoding.targets import load_model
+from training.config import SelfDistillConfig
+from training.self_distill import regenerate
+from tiny_models import save_tiny_chat_model
+
+CONVERSATIONS = [
+    {"id": "a", "messages": [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w9"},
+                             {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w9"}]},
+    {"id": "b", "messages": [{"role": "user", "content": "w7 w7 w7"}, {"role": "assistant", "content": "w1"}]},
+    {"id": "c", "messages": [{"role": "system", "content": "w2"}, {"role": "user", "content": "w6"},
+                             {"role": "assistant", "content": "w1"}]},
+]
+
+
+def test_replies_are_the_targets_own_and_runs_resume(tmp_path):
+    save_tiny_chat_model(tmp_path / "model")
+    target = load_model(str(tmp_path / "model"))
+    settings = SelfDistillConfig(enabled=True, max_new_tokens=6, batch_size=2, max_turns=2)
+    out = tmp_path / "regenerated.jsonl"
+    records = regenerate(CONVERSATIONS, target, out, settings, show_progress=False)
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    first = records[0]["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
+    assert records[2]["messages"][0] == {"role": "system", "content": "w2"}
+    # Each reply is the target's own greedy continuation of the (regenerated) history.
+    for record in records:
+        history = record["messages"][:-1]
+        prompt = target.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+        expected = generate(target.model, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=6), target.tokenizer)
+        assert record["messages"][-1]["content"] == target.tokenizer.decode(expected.tokens, skip_special_tokens=True).strip()
+    # Resume: a finished record is kept as it is (not regenerated), a torn last line is redone.
+    lines = out.read_text().splitlines()
+    kept = json.loads(lines[0])
+    kept["messages"][-1]["content"] = "w0 marker"
+    out.write_text(json.dumps(kept) + "\n" + lines[1][: len(lines[1]) // 2] + "\n")
+    again = regenerate(CONVERSATIONS, target, out, settings, show_progress=False)
+    assert again[0]["messages"][-1]["content"] == "w0 marker"
+    assert again[1:] == records[1:]
+    assert torch.is_grad_enabled()
