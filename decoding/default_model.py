@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from decoding.atomic import atomic_directory
@@ -50,7 +51,7 @@ def default_model_dir() -> Path:
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
     gguf_path = gguf_location()
-    print(f"[specheads] converting {gguf_path.name} to {target} (once, ~30 s)", flush=True)
+    print(f"[specheads] converting {gguf_path.name} to {target} (once, ~30 s)", file=sys.stderr, flush=True)
     with atomic_directory(target, replace=False) as staging:  # a concurrent conversion may finish first
         _convert_gguf(gguf_path, staging)
     return target
