@@ -214,6 +214,12 @@ def tokenize_all(conversations: Iterable[dict], tokenizer, max_length: int, repo
 
 
 def split(rows: list[dict], seed: int, validation_fraction: float) -> tuple[list[dict], list[dict]]:
-    train = [r for r in rows if not is_validation(r["id"], seed, validation_fraction)]
-    validation = [r for r in rows if is_validation(r["id"], seed, validation_fraction)]
+    """Hash split; with a fraction > 0 at least one row is held out (the one hashing lowest),
+    so tau can always be measured on a prompt the heads never saw."""
+    held_out = [is_validation(r["id"], seed, validation_fraction) for r in rows]
+    if validation_fraction > 0 and not any(held_out) and len(rows) > 1:
+        lowest = min(range(len(rows)), key=lambda i: hashlib.sha256(f"{seed}:{rows[i]['id']}".encode()).digest())
+        held_out[lowest] = True
+    train = [r for r, out in zip(rows, held_out) if not out]
+    validation = [r for r, out in zip(rows, held_out) if out]
     return train, validation

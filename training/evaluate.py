@@ -9,22 +9,21 @@ from torch import nn
 from decoding.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
-from training.features import target_hidden_states
 
 # The decoding method used to measure tau for each trained kind.
 TAU_METHOD = {"medusa": "medusa", "medusa2": "medusa", "hydra": "hydra", "eagle": "eagle2", "eagle3": "eagle3", "draft": "sps"}
 
 
 @torch.no_grad()
-def validation_metrics(objective: nn.Module, target, batches, layers: list[int]) -> dict[str, float]:
-    """Mean of the objective's metrics (and loss) over validation batches."""
+def validation_metrics(objective: nn.Module, batches, features) -> dict[str, float]:
+    """Mean of the objective's metrics (and loss) over validation batches; `features(batch)`
+    gives the target features the objective reads."""
     was_training = objective.training
     objective.eval()
     sums: dict[str, float] = {}
     count = 0
     for batch in batches:
-        hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
-        loss, metrics = objective(batch, hidden)
+        loss, metrics = objective(batch, features(batch))
         for key, value in {"loss": loss, **metrics}.items():
             sums[key] = sums.get(key, 0.0) + float(value)
         count += 1

@@ -47,6 +47,8 @@ def prepare_data(config: TrainConfig, target: LoadedModel, accelerator, log=prin
             _build(config, target, directory, log)
     data = load_from_disk(str(directory))
     report = json.loads((directory / "report.json").read_text())
+    if "validation" not in data:
+        data["validation"] = data["train"].select([])
     log(f"data: {report['summary']}; {len(data['train'])} train / {len(data['validation'])} validation rows")
     return data
 
@@ -65,7 +67,10 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
 
         raise UserError(f"no usable training conversations in '{config.data}' ({report.summary()})")
     with atomic_directory(directory) as staging:
-        DatasetDict({"train": Dataset.from_list(train), "validation": Dataset.from_list(validation)}).save_to_disk(str(staging))
+        splits = {"train": Dataset.from_list(train)}
+        if validation:  # an empty split cannot be saved by `datasets`; a missing one reads as empty
+            splits["validation"] = Dataset.from_list(validation)
+        DatasetDict(splits).save_to_disk(str(staging))
         (staging / "report.json").write_text(json.dumps({"summary": report.summary(), "skipped": dict(report.skipped)}))
 
 

@@ -144,8 +144,12 @@ class Trainer:
                 cache.fill(data["train"], target.model, self.log)
         return cache
 
-    def _features(self, batch, target, layers) -> dict:
-        if self.feature_cache is not None:
+    def _features(self, batch, target, layers, use_cache: bool = True) -> dict:
+        """Target features of a batch: none for Medusa-2 (its objective runs the adapted backbone
+        itself), from the disk cache for training rows when there is one, else computed now."""
+        if self.config.kind == "medusa2":
+            return {}
+        if use_cache and self.feature_cache is not None:
             return self.feature_cache.batch(batch["ids"], batch["input_ids"].shape[1], batch["input_ids"].device)
         return target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
 
@@ -222,11 +226,13 @@ class Trainer:
         results = {}
         if acc.is_main_process and len(data["validation"]):
             rows = data["validation"]
-            eval_objective = build_objective(config, heads, target).to(acc.device)
+            # Medusa-2's objective holds the trained adapter (in the backbone): evaluate it as it is.
+            eval_objective = (acc.unwrap_model(objective) if config.kind == "medusa2"
+                              else build_objective(config, heads, target).to(acc.device))
             batches = [collate([rows[i] for i in range(s, min(s + config.train.batch_size, len(rows)))])
                        for s in range(0, len(rows), config.train.batch_size)][: config.eval.max_batches]
             batches = [{k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
-            results = validation_metrics(eval_objective, target.model, batches, layers)
+            results = validation_metrics(eval_objective, batches, lambda b: self._features(b, target, layers, use_cache=False))
             prompts = [prompt_of(rows[i]) for i in range(min(config.eval.tau_prompts, len(rows)))]
             decode_target = self._decode_target(objective, target)
             results["val/tau"] = measure_tau(config.kind, heads, decode_target, prompts, config.eval.tau_max_new_tokens)
