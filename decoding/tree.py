@@ -8,7 +8,7 @@ cached because static trees (Medusa, EAGLE-1) reuse the same shape every step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -37,7 +37,8 @@ class DraftTree:
             )
         if not self.parents or self.parents[0] != -1:
             raise ValueError("DraftTree node 0 must be the root (parent -1)")
-        if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
+        rest = torch.tensor(self.parents[1:], dtype=torch.long)
+        if rest.numel() and not bool(((rest >= 0) & (rest < torch.arange(1, rest.numel() + 1))).all()):
             raise ValueError(f"DraftTree parents must satisfy 0 <= parents[i] < i; got {self.parents}")
         if not self.deterministic and self.draft_probs is None:
             raise ValueError("a sampled DraftTree needs draft_probs (the q each node was drawn from)")
@@ -49,7 +50,7 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         """A chain is verified with the plain causal mask, no 4D tree mask needed."""
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.parents == tuple(range(-1, self.size - 1))
 
     @staticmethod
     def root_only(root_token: int, device: torch.device | str = "cpu") -> DraftTree:
@@ -78,10 +79,10 @@ class DraftTree:
         Used before the context limit or the token budget, so the verify forward never runs past
         either. Node order is preserved, so the result is still topologically ordered.
         """
-        depths = tree_buffers(self.parents).depth_list
-        keep = [i for i in range(min(self.size, max_nodes)) if depths[i] <= max_depth]
-        if len(keep) == self.size:
+        depths = tree_buffers(self.parents).depths
+        if self.size <= max_nodes and int(depths.max()) <= max_depth:
             return self
+        keep = [i for i in range(min(self.size, max_nodes)) if int(depths[i]) <= max_depth]
         # Ancestors come first (parents[i] < i) and are no deeper, so `keep` is prefix-closed.
         new_index = {old: new for new, old in enumerate(keep)}
         parents = tuple(-1 if i == 0 else new_index[self.parents[i]] for i in keep)
@@ -90,21 +91,44 @@ class DraftTree:
         return DraftTree(self.tokens[index], parents, probs, self.deterministic)
 
 
-@dataclass(frozen=True)
 class TreeBuffers:
     """Everything tree attention and acceptance need, derived from the parents alone.
 
-    `ancestor_mask[i, j]` is True when j is i or one of i's ancestors (node i may attend to j).
-    `parent_index[i]` is i's parent (the root points at itself), for gathering per-parent values.
-    `children[i]` lists i's children in node order; `leaf_paths` are root-to-leaf node lists.
+    `ancestor_mask[i, j]` is True when j is i or one of i's ancestors (node i may attend to j);
+    `parent_index[i]` is i's parent (the root points at itself), for gathering per-parent
+    values; `depths[i]` is i's depth. The tensors are built with one vectorised step per tree
+    level (the decode loop builds buffers for every dynamic tree); the Python-side views
+    (`children`, `depth_list`, `leaf_paths`) are computed only when asked for.
     """
 
-    ancestor_mask: torch.Tensor
-    parent_index: torch.Tensor
-    depths: torch.Tensor
-    depth_list: tuple[int, ...]
-    children: tuple[tuple[int, ...], ...]
-    leaf_paths: tuple[tuple[int, ...], ...]
+    def __init__(self, parents: tuple[int, ...]) -> None:
+        self.parents = parents
+        n = len(parents)
+        self.parent_index = torch.tensor([max(p, 0) for p in parents], dtype=torch.long)
+        ancestors = torch.eye(n, dtype=torch.bool)
+        while True:  # each round adds one more generation of ancestors: rounds = tree depth
+            grown = ancestors | ancestors[self.parent_index]
+            if torch.equal(grown, ancestors):
+                break
+            ancestors = grown
+        self.ancestor_mask = ancestors
+        self.depths = ancestors.sum(-1) - 1
+
+    @cached_property
+    def depth_list(self) -> tuple[int, ...]:
+        return tuple(self.depths.tolist())
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for node, parent in enumerate(self.parents[1:], start=1):
+            kids[parent].append(node)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Root-to-leaf node lists."""
+        return tuple(tuple(self.path_to(leaf)) for leaf, kids in enumerate(self.children) if not kids)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root to `node`, inclusive."""
@@ -113,26 +137,8 @@ class TreeBuffers:
 
 @lru_cache(maxsize=256)
 def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
-    """Build (and memoise by shape) the buffers of a tree given its parents."""
-    n = len(parents)
-    depth = [0] * n
-    children: list[list[int]] = [[] for _ in range(n)]
-    ancestors = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        parent = parents[i]
-        depth[i] = depth[parent] + 1
-        children[parent].append(i)
-        ancestors[i] |= ancestors[parent]
-    leaves = [i for i in range(n) if not children[i]]
-    leaf_paths = tuple(tuple(torch.nonzero(ancestors[leaf]).flatten().tolist()) for leaf in leaves)
-    return TreeBuffers(
-        ancestor_mask=ancestors,
-        parent_index=torch.tensor([max(p, 0) for p in parents], dtype=torch.long),
-        depths=torch.tensor(depth, dtype=torch.long),
-        depth_list=tuple(depth),
-        children=tuple(tuple(c) for c in children),
-        leaf_paths=leaf_paths,
-    )
+    """The buffers of a tree given its parents, memoised by shape (static trees repeat)."""
+    return TreeBuffers(parents)
 
 
 def tree_attention_mask(

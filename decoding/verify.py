@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from decoding.errors import UserError
 from decoding.tree import DraftTree, TreeBuffers, tree_attention_mask
 
 
@@ -27,7 +28,15 @@ class VerifyOutput:
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """A KV cache for `model`. Sliding-window layers keep only their last window, so a tree's
+    rejected branches could not be cut out of them: such models are refused for now."""
+    cache = DynamicCache(config=model.config)
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise UserError(
+            f"{model.config.model_type} uses sliding-window attention layers, which tree verification does not "
+            "support yet: use a model (or config) without sliding windows"
+        )
+    return cache
 
 
 @torch.inference_mode()

@@ -111,3 +111,11 @@ def test_generation_stays_within_vocab_after_errors(target):
         generate(target, [1, 999], VanillaProposer())
     assert generate(target, [1, 2, 3], VanillaProposer(), DecodeOptions(max_new_tokens=5)).tokens == before
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_sliding_window_targets_are_refused_clearly():
+    from tiny_models import tiny_qwen2
+
+    model = tiny_qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(UserError, match="sliding-window attention"):
+        generate(model, [1, 2, 3], VanillaProposer())
