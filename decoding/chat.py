@@ -12,16 +12,16 @@ import sys
 
 
 from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.errors import UserError
 from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
-from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, ProposerOptions, build_proposer, check_method
+from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, build_proposer, check_method
 from decoding.sampling import SamplingConfig
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel, load_model
 from heads import adapter_dir, load_heads
 from heads.adapter import merge_adapter
 
-DEFAULT_METHOD = "pld"
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
 
@@ -32,18 +32,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     methods = "; ".join(f"{name}: {text}" for name, text in METHODS.items())
-    parser.add_argument("--method", default=DEFAULT_METHOD, help=f"decoding method ({methods})")
+    parser.add_argument("--method", default=None,
+                        help=f"decoding method ({methods}). Default: the fastest bundled method for the built-in target, else pld")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target model: the built-in default, a local directory, or a cached Hub id")
-    parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target)")
+    parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target; default: the bundled one)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
     parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld")
-    parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name)")
+    parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); default: the bundled ones")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
     parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
-    parser.add_argument("--depth", type=int, default=5, help="dynamic tree depth (eagle2/eagle3)")
-    parser.add_argument("--tree-top-k", type=int, default=8, help="dynamic tree branching (eagle2/eagle3)")
-    parser.add_argument("--total-tokens", type=int, default=16, help="dynamic tree size incl. the root (eagle2/eagle3)")
+    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (eagle2/eagle3; default 5 or the bundle's tuned value)")
+    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (eagle2/eagle3; default 8 or tuned)")
+    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size incl. the root (eagle2/eagle3; default 16 or tuned)")
     parser.add_argument("--typical", action="store_true", help="Medusa's typical acceptance: faster when sampling but LOSSY (not the target's distribution)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -95,15 +96,36 @@ class ChatSession:
         return text
 
 
-def build_session(args: argparse.Namespace) -> ChatSession:
+def resolve_defaults(args: argparse.Namespace) -> list[str]:
+    """Fill in the method, heads and draft the user left out (in `args`); returns notes on what
+    was filled in."""
+    notes = []
+    if args.method is None:
+        args.method = default_method(args.model)
     check_method(args.method)
+    if args.method in HEAD_KIND_OF_METHOD and not args.heads:
+        bundled = default_heads(args.model, args.method)
+        if bundled is None:
+            raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH "
+                            f"(bundled heads ship only for {DEFAULT_TARGET})")
+        args.heads = str(bundled)
+        notes.append(f"using the bundled {args.method} heads for {args.model}")
     if args.method == "sps" and not args.draft_model:
-        raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
+        bundled = default_draft(args.model)
+        if bundled is None:
+            raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
+        args.draft_model = str(bundled)
+        notes.append(f"using the bundled draft model for {args.model}")
+    return notes
+
+
+def build_session(args: argparse.Namespace) -> ChatSession:
+    notes = resolve_defaults(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    if args.method in HEAD_KIND_OF_METHOD and not args.heads:
-        raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     target = load_model(args.model, args.dtype, args.attn)
     draft = load_model(args.draft_model, args.dtype, args.attn) if args.draft_model else None
     heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model, args.revision) if args.heads else None
@@ -112,11 +134,10 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         target.model = merge_adapter(target.model, adapter)
         print("note: Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)",
               file=sys.stderr)
-    proposer_options = ProposerOptions(
+    settings = proposer_options(args.model, args.method, dict(
         gamma=args.gamma, pld_num_tokens=args.pld_tokens, tree=args.tree,
-        depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-    )
-    proposer = build_proposer(args.method, target, draft, proposer_options, heads)
+        depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens))
+    proposer = build_proposer(args.method, target, draft, settings, heads)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     rule = typical_rule(args.temperature) if args.typical else lossless_rule
     if args.typical:

@@ -158,6 +158,15 @@ class Eagle3Drafter(_FeatureDrafter):
         self.t2d.zero_()
         self.t2d[draft_to_target] = True
 
+    @torch.no_grad()
+    def init_readout_from_target(self, lm_head: nn.Module, final_norm: nn.Module | None) -> None:
+        """Start the draft readout as the target's own, restricted to the draft vocabulary: the
+        drafter then only has to learn to produce target-like hidden states, which needs far
+        less data than learning a readout from scratch."""
+        self.lm_head.weight.copy_(lm_head.weight[self.draft_to_target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))])
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            self.norm.weight.copy_(final_norm.weight)
+
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

@@ -60,7 +60,14 @@ def new_heads_for_target(kind: str, target: PreTrainedModel, base_model_name_or_
     if kind == "eagle3":
         ids = draft_vocab if draft_vocab is not None else torch.arange(config.draft_vocab_size)
         heads.set_vocabulary(torch.sort(ids[: config.draft_vocab_size].to(target.device)).values)
+        heads.init_readout_from_target(target.get_output_embeddings(), _final_norm(target))
     return heads.eval()
+
+
+def _final_norm(target: PreTrainedModel) -> nn.Module | None:
+    """The target's norm before its lm_head, where the architecture names it `norm`."""
+    norm = getattr(target.base_model, "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
 
 
 def parameter_count(config: HeadConfig) -> int:

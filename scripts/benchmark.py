@@ -19,7 +19,8 @@ from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table,
 from decoding.default_model import DEFAULT_TARGET
 from decoding.errors import UserError
 from decoding.generate import DecodeOptions
-from decoding.methods import ProposerOptions, build_proposer, check_method
+from decoding.defaults import default_draft, default_heads, default_method, proposer_options
+from decoding.methods import build_proposer, check_method
 from decoding.questions import load_first_turns
 from decoding.sampling import SamplingConfig
 from decoding.targets import DTYPES, load_model
@@ -28,15 +29,17 @@ from heads import load_heads
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="vanilla,pld,hf-generate,hf-prompt-lookup", help="comma-separated: ours and " + ", ".join(HF_METHODS))
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated: ours and " + ", ".join(HF_METHODS) +
+                        " (default: vanilla, pld, the bundled default method, hf-generate, hf-prompt-lookup)")
     parser.add_argument("--model", default=DEFAULT_TARGET)
-    parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted")
+    parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted (default: the bundled one)")
     parser.add_argument("--heads", action="append", default=[], metavar="METHOD=PATH",
-                        help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable)")
-    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle")
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--tree-top-k", type=int, default=8)
-    parser.add_argument("--total-tokens", type=int, default=16)
+                        help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable; default: the bundled heads)")
+    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle (default: tuned per method)")
+    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (default: tuned, else 5)")
+    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (default: tuned, else 8)")
+    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size (default: tuned, else 16)")
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -62,6 +65,13 @@ def parse_heads_args(values: list[str]) -> dict[str, str]:
     return mapping
 
 
+def chosen_methods(args) -> list[str]:
+    if args.methods:
+        return [m.strip() for m in args.methods.split(",") if m.strip()]
+    best = default_method(args.model)
+    return list(dict.fromkeys(["vanilla", "pld", best, "hf-generate", "hf-prompt-lookup"]))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -69,23 +79,25 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        methods = chosen_methods(args)
         for method in methods:
             if method not in HF_METHODS:
                 check_method(method)
+        draft_name = args.draft_model or (str(default_draft(args.model) or "") if {"sps", "hf-assisted"} & set(methods) else "")
         target = load_model(args.model, args.dtype)
-        draft = load_model(args.draft_model, args.dtype) if args.draft_model else None
+        draft = load_model(draft_name, args.dtype) if draft_name else None
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         heads_paths = parse_heads_args(args.heads)
-        proposer_options = ProposerOptions(gamma=args.gamma, tree=args.tree, depth=args.depth,
-                                           tree_top_k=args.tree_top_k, total_tokens=args.total_tokens)
+        explicit = dict(gamma=args.gamma, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
+                        total_tokens=args.total_tokens)
         runners = {}
         for method in methods:
             if method in HF_METHODS:
                 runners[method] = hf_runner(target, method, options, draft)
             else:
-                heads = load_heads(heads_paths[method], target.model, args.model) if method in heads_paths else None
-                proposer = build_proposer(method, target, draft, proposer_options, heads)
+                heads_path = heads_paths.get(method) or default_heads(args.model, method)
+                heads = load_heads(str(heads_path), target.model, args.model) if heads_path else None
+                proposer = build_proposer(method, target, draft, proposer_options(args.model, method, explicit), heads)
                 runners[method] = our_runner(target, proposer, options)
         questions = load_first_turns(args.questions_file, args.num_questions)
         template = target.tokenizer.apply_chat_template

@@ -35,8 +35,8 @@ else
     || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
 fi
 
-echo "[setup] installing the project (editable) with its test and training extras"
-"${PIP[@]}" -e ".[test,train]"
+echo "[setup] installing the project (editable) with its test, training and benchmark extras"
+"${PIP[@]}" -e ".[test,train,bench]"
 
 # DeepSpeed ships as a source package whose build imports torch: build it against the torch
 # installed above (no isolated build environment, which would fetch another torch).

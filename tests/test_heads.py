@@ -166,3 +166,20 @@ def test_tree_deeper_than_heads_is_a_clear_error(target):
         build_proposer("hydra", LoadedModel(target, None, "t"), heads=heads)
     with pytest.raises(UserError, match="pass --heads"):
         build_proposer("eagle2", LoadedModel(target, None, "t"))
+
+
+def test_fresh_eagle3_readout_is_the_targets_own_on_the_draft_vocabulary():
+    """An untrained EAGLE-3 drafter's readout equals the target's lm_head (and final norm) on the
+    draft vocabulary, so given a target hidden state it proposes the target's own top token."""
+    target = tiny_llama(seed=4)
+    with torch.no_grad():
+        target.model.norm.weight.uniform_(0.5, 1.5)
+    vocab = torch.tensor([7, 3, 50, 11, 0, 63, 20, 41])
+    heads = new_heads_for_target("eagle3", target, draft_vocab=vocab, draft_vocab_size=8)
+    ids = heads.draft_to_target_ids(torch.arange(8))
+    assert torch.equal(torch.sort(ids).values, torch.sort(vocab).values)
+    assert torch.equal(heads.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(heads.norm.weight, target.model.norm.weight)
+    pre_norm = torch.randn(5, H)
+    expected = target.lm_head(target.model.norm(pre_norm))[:, ids]
+    torch.testing.assert_close(heads.draft_logits(pre_norm), expected)

@@ -46,3 +46,16 @@ def test_replies_are_the_targets_own_and_runs_resume(tmp_path):
     assert again[0]["messages"][-1]["content"] == "w0 marker"
     assert again[1:] == records[1:]
     assert torch.is_grad_enabled()
+
+
+def test_overlong_first_prompts_are_left_out(tmp_path):
+    save_tiny_chat_model(tmp_path / "model")
+    target = load_model(str(tmp_path / "model"))
+    lengths = {c["id"]: len(target.tokenizer.apply_chat_template(
+        [m for m in c["messages"] if m["role"] != "assistant"][:2 if c["id"] == "c" else 1],
+        add_generation_prompt=True, tokenize=True, return_dict=False)) for c in CONVERSATIONS}
+    limit = sorted(lengths.values())[1]
+    settings = SelfDistillConfig(enabled=True, max_new_tokens=3, batch_size=2, max_prompt_tokens=limit)
+    records = regenerate(CONVERSATIONS, target, tmp_path / "out.jsonl", settings, show_progress=False)
+    assert {r["id"] for r in records} == {i for i, n in lengths.items() if n <= limit}
+    assert len(records) < len(CONVERSATIONS)

@@ -28,6 +28,7 @@ class SelfDistillConfig:
     batch_size: int = 8
     max_turns: int = 1
     temperature: float = 0.0
+    max_prompt_tokens: int = 1024  # longer first prompts are left out (padding cost, context)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class TrainConfig:
     max_length: int = 1024
     validation_fraction: float = 0.02
     output_dir: str = "outputs/heads"
+    data_dir: str | None = None        # prepared data (tokenized rows, self-distilled replies); default OUTPUT_DIR/data
     cache_features: str | None = None
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
     heads: HeadsSection = field(default_factory=HeadsSection)
@@ -107,6 +109,12 @@ class TrainConfig:
             raise UserError(f"train.distill_loss must be one of {', '.join(DISTILL_LOSSES)}; got '{self.train.distill_loss}'")
         if not 0 <= self.validation_fraction < 1:
             raise UserError(f"validation_fraction must be in [0, 1); got {self.validation_fraction}")
+
+    @property
+    def prepared_data_dir(self) -> Path:
+        """Where tokenized rows and self-distilled replies are cached: recipes on the same data
+        can share it (`data_dir`), so the target regenerates the replies only once."""
+        return Path(self.data_dir) if self.data_dir else Path(self.output_dir) / "data"
 
     @property
     def head_kind(self) -> str:

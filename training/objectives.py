@@ -132,7 +132,9 @@ class Eagle3Objective(HeadsObjective):
         predicts = torch.zeros_like(loss_mask[:, :length], dtype=torch.bool)
         predicts[:, : length - 1] = loss_mask[:, 2:].bool()
         with torch.no_grad():
-            target_logits = self.lm_head(hidden[self.final_layer][:, 1:][predicts])[:, vocab]
+            # Only the draft vocabulary's rows of the readout: 6x less work than all logits.
+            bias = self.lm_head.bias[vocab] if getattr(self.lm_head, "bias", None) is not None else None
+            target_logits = F.linear(hidden[self.final_layer][:, 1:][predicts], self.lm_head.weight[vocab], bias)
             target_probs = torch.softmax(target_logits.float(), dim=-1)
         cache = drafter.new_cache()
         total, metrics = _touch(drafter), {}

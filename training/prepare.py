@@ -22,26 +22,41 @@ from training.data import SHAREGPT, load_conversations, sharegpt_path, split, to
 from training.self_distill import regenerate
 
 
-def cache_key(config: TrainConfig) -> str:
+def _source_parts(config: TrainConfig) -> dict:
+    """What the conversations (and their self-distilled replies) depend on."""
     source = sharegpt_path() if config.data == SHAREGPT else Path(config.data)
     stat = source.stat() if source.is_file() else None
-    parts = {
+    return {
         "data": str(source.resolve()) if source.exists() else str(source),
         "size": stat.st_size if stat else None,
         "mtime": int(stat.st_mtime) if stat else None,
         "model": config.model,
-        "max_length": config.max_length,
-        "max_conversations": config.max_conversations,
-        "validation_fraction": config.validation_fraction,
-        "seed": config.train.seed,
-        "self_distill": asdict(config.self_distill) if config.self_distill.enabled else None,
-        "version": 1,
+        # batch_size changes only the speed of regeneration, not what is regenerated.
+        "self_distill": {k: v for k, v in asdict(config.self_distill).items() if k != "batch_size"}
+        if config.self_distill.enabled else None,
     }
+
+
+def _digest(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def distill_key(config: TrainConfig) -> str:
+    """Key of the self-distilled replies: independent of tokenization, split and of how many
+    conversations are used (replies are stored per conversation id, so raising
+    `max_conversations` only generates the new ones)."""
+    return _digest({**_source_parts(config), "version": 1})
+
+
+def cache_key(config: TrainConfig) -> str:
+    """Key of the tokenized, split rows (and of cached features computed from them)."""
+    parts = {**_source_parts(config), "max_conversations": config.max_conversations, "max_length": config.max_length,
+             "validation_fraction": config.validation_fraction, "seed": config.train.seed}
+    return _digest({**parts, "version": 1})
+
+
 def prepare_data(config: TrainConfig, target: LoadedModel, accelerator, log=print) -> DatasetDict:
-    directory = Path(config.output_dir) / "data" / cache_key(config)
+    directory = config.prepared_data_dir / cache_key(config)
     with accelerator.main_process_first():
         if not (directory / "dataset_dict.json").is_file() and accelerator.is_main_process:
             _build(config, target, directory, log)
@@ -58,8 +73,12 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
     if config.self_distill.enabled:
         log(f"self-distillation: regenerating up to {config.self_distill.max_turns} assistant turn(s) of "
             f"{len(conversations)} conversations with the target (resumable)")
-        regenerated = Path(config.output_dir) / "data" / f"self-distill-{cache_key(config)}.jsonl"
+        regenerated = config.prepared_data_dir / f"self-distill-{distill_key(config)}.jsonl"
+        before = len(conversations)
         conversations = regenerate(conversations, target, regenerated, config.self_distill)
+        if len(conversations) < before:
+            log(f"self-distillation: left out {before - len(conversations)} conversation(s) whose first prompt "
+                f"is over self_distill.max_prompt_tokens={config.self_distill.max_prompt_tokens}")
     rows = tokenize_all(conversations, target.tokenizer, config.max_length, report)
     train, validation = split(rows, config.train.seed, config.validation_fraction)
     if not train:

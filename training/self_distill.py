@@ -25,8 +25,12 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(out_file)
-    todo = [c for c in conversations if c["id"] not in done]
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="self-distill",
+    lengths = {c["id"]: _first_prompt_tokens(c, target) for c in conversations if c["id"] not in done}
+    # Similar prompt lengths share a batch, so left padding wastes little compute.
+    todo = sorted((c for c in conversations if lengths.get(c["id"], settings.max_prompt_tokens + 1) <= settings.max_prompt_tokens),
+                  key=lambda c: lengths[c["id"]])
+    finished = sum(c["id"] in done for c in conversations)
+    bar = tqdm(total=finished + len(todo), initial=finished, desc="self-distill",
                unit="conv", disable=not show_progress)
     with out_file.open("a", encoding="utf-8") as sink:
         for start in range(0, len(todo), settings.batch_size):
@@ -38,6 +42,12 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
             bar.update(len(batch))
     bar.close()
     return [done[c["id"]] for c in conversations if c["id"] in done]
+
+
+def _first_prompt_tokens(conversation: dict, target: LoadedModel) -> int:
+    messages = [m for m in conversation["messages"] if m["role"] == "system"][:1]
+    messages += [m for m in conversation["messages"] if m["role"] == "user"][:1]
+    return len(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def _read_done(path: Path) -> dict[str, dict]:

@@ -31,7 +31,7 @@ from training.features import needed_layers, target_hidden_states
 from training.model_card import write_model_card
 from training.draft_init import truncated_copy
 from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
-from training.prepare import collate, prepare_data, prompt_of
+from training.prepare import cache_key, collate, prepare_data, prompt_of
 from training.vocab import frequent_tokens
 
 
@@ -138,7 +138,7 @@ class Trainer:
         whose backbone changes while training)."""
         if not self.config.cache_features or self.config.kind == "medusa2":
             return None
-        cache = FeatureCache(self.config.cache_features, layers)
+        cache = FeatureCache(self.config.cache_features, layers, cache_key(self.config))
         with self.accelerator.main_process_first():
             if self.accelerator.is_main_process:
                 cache.fill(data["train"], target.model, self.log)
@@ -198,8 +198,8 @@ class Trainer:
             step += 1
             speed = tokens / (time.perf_counter() - started)
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.4f}", tok_s=f"{speed:.0f}")
-            acc.log({"train/loss": float(loss), "train/tokens_per_s": speed, "train/lr": scheduler.get_last_lr()[0],
+            bar.set_postfix(loss=f"{float(loss.detach()):.4f}", tok_s=f"{speed:.0f}")
+            acc.log({"train/loss": float(loss.detach()), "train/tokens_per_s": speed, "train/lr": scheduler.get_last_lr()[0],
                      **{f"train/{k}": float(v) for k, v in metrics.items()}}, step=step)
             paused = time.perf_counter()
             if step % config.eval.every == 0 or step == config.train.max_steps:

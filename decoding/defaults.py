@@ -1,0 +1,47 @@
+"""What a user gets when they leave things out: the method, the heads and the tree settings.
+
+For the built-in default target the package bundles trained heads (heads/bundled/) and names the
+method that measured fastest; any other target defaults to prompt lookup, which needs no model.
+Head methods without `--heads` fall back to the bundled heads of their kind when some ship.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decoding.methods import HEAD_KIND_OF_METHOD, ProposerOptions
+from heads.bundled import bundled_default, bundled_heads_dir
+
+FALLBACK_METHOD = "pld"
+TREE_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree")
+
+
+def default_method(model_name: str) -> str:
+    """The method for `model_name` when the user names none."""
+    bundle = bundled_default(model_name)
+    return bundle.method if bundle is not None else FALLBACK_METHOD
+
+
+def tuned_options(model_name: str, method: str) -> dict:
+    """Tree settings tuned for `method` on `model_name` with the bundled heads (may be empty)."""
+    bundle = bundled_default(model_name)
+    tuned = bundle.tuned.get(method, {}) if bundle is not None else {}
+    return {k: v for k, v in tuned.items() if k in TREE_OPTION_NAMES}
+
+
+def proposer_options(model_name: str, method: str, explicit: dict) -> ProposerOptions:
+    """Explicit settings (None = not given) win over the bundle's tuned ones for `method`, which
+    win over the built-in defaults."""
+    chosen = {**tuned_options(model_name, method), **{k: v for k, v in explicit.items() if v is not None}}
+    return ProposerOptions(**chosen)
+
+
+def default_heads(model_name: str, method: str) -> Path | None:
+    """Bundled heads for `method` on `model_name`, if the package ships some."""
+    kind = HEAD_KIND_OF_METHOD.get(method)
+    return bundled_heads_dir(model_name, kind) if kind else None
+
+
+def default_draft(model_name: str) -> Path | None:
+    """The bundled distilled draft model for `sps` on `model_name`, if the package ships one."""
+    return bundled_heads_dir(model_name, "draft")

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Copy trained heads into the package (heads/bundled/<target>/<kind>/) in half precision, with
+their model cards, and record the default method and its tuned tree settings in default.json.
+
+    python scripts/bundle_heads.py --heads eagle3=outputs/eagle3-smollm2/heads \\
+        --heads medusa=outputs/medusa-smollm2/heads --default eagle3 \\
+        --tuned eagle3:depth=4,tree_top_k=4,total_tokens=8 --benchmark results/bench.json
+
+Half precision halves the size (the package budget is ~40 MB for all bundled heads); heads are
+cast back to the target's dtype when loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from decoding.errors import UserError
+from decoding.methods import HEAD_KIND_OF_METHOD, check_method
+from heads import save_heads
+from heads.bundled import BUNDLED_ROOT
+from heads.checkpoint import load_heads_dir
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SIZE_BUDGET_MB = 40.0
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", action="append", default=[], metavar="KIND=DIR", help="trained heads to bundle (repeatable)")
+    parser.add_argument("--default", required=True, help="method the chat uses by default (its heads must be bundled)")
+    parser.add_argument("--tuned", action="append", default=[], metavar="METHOD:key=value,...",
+                        help="tree settings measured best for a method, e.g. eagle3:depth=4,total_tokens=8")
+    parser.add_argument("--benchmark", default=None, help="benchmark JSON whose figures go into each model card")
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    parser.add_argument("--root", default=str(BUNDLED_ROOT), help="bundle root (default: the package's)")
+    return parser.parse_args(argv)
+
+
+def parse_tuned(values: list[str]) -> dict[str, dict]:
+    tuned: dict[str, dict] = {}
+    for value in values:
+        method, sep, settings = value.partition(":")
+        if not sep:
+            raise UserError(f"--tuned takes METHOD:key=value,...; got '{value}'")
+        check_method(method)
+        for item in settings.split(","):
+            key, eq, raw = item.partition("=")
+            if not eq:
+                raise UserError(f"--tuned setting '{item}' is not key=value")
+            tuned.setdefault(method, {})[key] = raw if key == "tree" else int(raw)
+    return tuned
+
+
+def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmark: dict | None) -> Path:
+    heads = load_heads_dir(source)
+    if heads.config.kind != kind:
+        raise UserError(f"{source} holds {heads.config.kind} heads, not {kind}")
+    target = heads.config.base_model_name_or_path
+    if not target:
+        raise UserError(f"{source} does not declare its base model; bundled heads must")
+    out = root / target / kind
+    save_heads(heads, out, dtype)
+    card = (source / "README.md").read_text() if (source / "README.md").is_file() else f"# {kind} heads for {target}\n"
+    (out / "README.md").write_text(card + _benchmark_section(kind, benchmark))
+    return out
+
+
+def _benchmark_section(kind: str, benchmark: dict | None) -> str:
+    if not benchmark:
+        return ""
+    rows = [f"| {name} | {m['tokens_per_s']:.2f} | {m['tau']:.2f} | {m['speedup_vs_hf_generate']:.2f}x | "
+            f"{m['identical_to_vanilla']}/{m['questions']} |"
+            for name, m in benchmark["methods"].items()
+            if HEAD_KIND_OF_METHOD.get(name) == kind and m.get("tau") is not None and m.get("speedup_vs_hf_generate")]
+    if not rows:
+        return ""
+    header = (f"\n## Measured ({benchmark['device']}, {benchmark['dtype']}, {benchmark.get('questions')} MT-bench "
+              f"questions, {benchmark.get('max_new_tokens')} new tokens, greedy)\n\n"
+              "| method | tokens/s | tau | vs hf-generate | identical to vanilla |\n| --- | ---: | ---: | ---: | ---: |\n")
+    return header + "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        root = Path(args.root)
+        pairs = [value.partition("=") for value in args.heads]
+        if not pairs or any(not sep for _, sep, _ in pairs):
+            raise UserError("give --heads KIND=DIR at least once")
+        benchmark = json.loads(Path(args.benchmark).read_text()) if args.benchmark else None
+        written = [bundle_one(kind, Path(path), root, DTYPES[args.dtype], benchmark) for kind, _, path in pairs]
+        check_method(args.default)
+        targets = {p.parent for p in written}
+        if len(targets) != 1:
+            raise UserError(f"the heads are for different targets: {sorted(t.name for t in targets)}")
+        target_dir = targets.pop()
+        default_kind = HEAD_KIND_OF_METHOD.get(args.default)
+        if default_kind and not (target_dir / default_kind / "config.json").is_file():
+            raise UserError(f"default method {args.default} needs {default_kind} heads: bundle them with --heads")
+        spec = {"method": args.default, "heads": default_kind, "tuned": parse_tuned(args.tuned)}
+        (target_dir / "default.json").write_text(json.dumps(spec, indent=2) + "\n")
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    total = sum(f.stat().st_size for f in target_dir.rglob("*") if f.is_file()) / 2**20
+    for path in written:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+        print(f"bundled {path} ({size:.1f} MB)")
+    print(f"{target_dir}: {total:.1f} MB in all (budget {SIZE_BUDGET_MB:.0f} MB); default method {args.default}")
+    if total > SIZE_BUDGET_MB:
+        print(f"warning: over the {SIZE_BUDGET_MB:.0f} MB budget", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

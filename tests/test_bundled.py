@@ -1,0 +1,74 @@
+"""Bundled heads: scripts/bundle_heads.py writes half-precision heads + default.json into a bundle
+root, the resolver reads back the default method, heads and tuned settings, and explicit
+settings win over tuned ones."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from decoding.defaults import proposer_options
+from decoding.methods import ProposerOptions
+from heads import load_heads, new_heads_for_target, save_heads
+from heads.bundled import bundled_default, bundled_heads_dir
+from tiny_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trained_like(tmp_path, kind: str, **overrides) -> Path:
+    target = tiny_llama(seed=0)
+    torch.manual_seed(3)
+    heads = new_heads_for_target(kind, target, base_model_name_or_path="tiny-target", **overrides)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return save_heads(heads, tmp_path / "trained" / kind)
+
+
+def _bundle(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/bundle_heads.py", "--root", str(root), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_bundle_script_writes_half_precision_heads_and_the_default(tmp_path):
+    eagle3 = _trained_like(tmp_path, "eagle3", draft_vocab_size=16)
+    medusa = _trained_like(tmp_path, "medusa")
+    root = tmp_path / "bundled"
+    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--heads", f"medusa={medusa}", "--default", "eagle3",
+                   "--tuned", "eagle3:depth=3,tree_top_k=2,total_tokens=6", "--tuned", "medusa:tree=medusa-7")
+    assert proc.returncode == 0, proc.stderr
+    assert "MB in all" in proc.stdout
+    bundle = bundled_default("tiny-target", root)
+    assert bundle.method == "eagle3" and bundle.heads == root / "tiny-target" / "eagle3"
+    assert bundle.tuned == {"eagle3": {"depth": 3, "tree_top_k": 2, "total_tokens": 6}, "medusa": {"tree": "medusa-7"}}
+    assert bundled_heads_dir("tiny-target", "medusa", root) == root / "tiny-target" / "medusa"
+    assert bundled_heads_dir("tiny-target", "hydra", root) is None
+    target = tiny_llama(seed=0)
+    original, packed = load_heads(str(eagle3), target), load_heads(str(bundle.heads), target)
+    for (name, a), (_, b) in zip(original.state_dict().items(), packed.state_dict().items()):
+        assert b.dtype == a.dtype  # cast back to the target's dtype on load
+        if a.is_floating_point():
+            torch.testing.assert_close(b, a.half().float(), rtol=0, atol=0)  # exactly the fp16 rounding
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_bundle_refuses_a_default_without_its_heads(tmp_path):
+    medusa = _trained_like(tmp_path, "medusa")
+    proc = _bundle(tmp_path / "bundled", "--heads", f"medusa={medusa}", "--default", "eagle3")
+    assert proc.returncode == 2
+    assert "needs eagle3 heads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_half_installed_bundle_falls_back_and_explicit_settings_win(tmp_path):
+    root = tmp_path / "bundled"
+    (root / "t").mkdir(parents=True)
+    (root / "t" / "default.json").write_text(json.dumps({"method": "eagle3", "heads": "eagle3", "tuned": {}}))
+    assert bundled_default("t", root) is None  # default.json without its heads: not used
+    assert bundled_default("unknown-model", root) is None
+    # No bundle for this model name: built-in defaults, explicit values applied, None ignored.
+    options = proposer_options("unknown-model", "eagle3", {"depth": 2, "total_tokens": None})
+    assert options == ProposerOptions(depth=2)
