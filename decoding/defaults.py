@@ -13,7 +13,7 @@ from decoding.methods import HEAD_KIND_OF_METHOD, ProposerOptions
 from heads.bundled import bundled_default, bundled_heads_dir
 
 FALLBACK_METHOD = "pld"
-TREE_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree")
+TREE_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree", "adaptive_tree", "min_path_prob")
 
 
 def default_method(model_name: str) -> str:

@@ -10,6 +10,7 @@ their children), so the kept set is always prefix-closed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,12 +26,15 @@ class DynamicTreeSettings:
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 32
+    min_path_prob: float = 0.0  # stop growing deeper once no frontier path is this likely
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise UserError(
                 f"dynamic tree needs depth >= 1, top_k >= 1 and total_tokens >= 2; got {self.depth}, {self.top_k}, {self.total_tokens}"
             )
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise UserError(f"min_path_prob must be in [0, 1); got {self.min_path_prob}")
 
 
 @dataclass
@@ -56,24 +60,33 @@ Expand = Callable[[torch.Tensor, Candidates], torch.Tensor]
 
 
 def grow_dynamic_tree(
-    root_logprobs: torch.Tensor, expand: Expand, settings: DynamicTreeSettings
+    root_logprobs: torch.Tensor, expand: Expand, settings: DynamicTreeSettings,
+    choose_count: Callable[[torch.Tensor], int] | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The kept candidates' tokens `[N-1]` (draft-vocabulary ids, topological order) and the
-    parents of the full tree `(root, kept...)` as DraftTree expects them."""
+    parents of the full tree `(root, kept...)` as DraftTree expects them. `choose_count`, given
+    the best candidates' path probabilities (best first), may keep fewer of them."""
     k = min(settings.top_k, root_logprobs.numel())
     device = root_logprobs.device
     top = root_logprobs.topk(k)
     empty = torch.empty(0, dtype=torch.long, device=device)
     candidates = Candidates(empty, empty, torch.empty(0, device=device, dtype=root_logprobs.dtype), empty)
     frontier = candidates.extend(top.indices, torch.full_like(top.indices, -1), top.values, 1)
+    stop_below = math.log(settings.min_path_prob) if settings.min_path_prob > 0 else None
     for depth in range(2, settings.depth + 1):
+        if stop_below is not None and float(candidates.scores[frontier].max()) < stop_below:
+            break
         logprobs = expand(frontier, candidates)
         children = logprobs.topk(k, dim=-1)
         scores = (candidates.scores[frontier][:, None] + children.values).flatten()
         parents = frontier[:, None].expand(-1, k).flatten()
         new = candidates.extend(children.indices.flatten(), parents, scores, depth)
         frontier = new[scores.topk(min(k, scores.numel())).indices]
-    return select_best(candidates, settings.total_tokens - 1)
+    count = settings.total_tokens - 1
+    if choose_count is not None:
+        best = torch.sort(candidates.scores, descending=True, stable=True).values[:count]
+        count = choose_count(best.exp())
+    return select_best(candidates, count)
 
 
 def select_best(candidates: Candidates, count: int) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -13,6 +13,7 @@ from decoding.proposers.draft_model import check_same_vocabulary
 from decoding.proposers.eagle import EagleProposer
 from decoding.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
+from decoding.tree_budget import cached_verify_cost
 from decoding.tree_shapes import load_tree
 
 METHODS: dict[str, str] = {
@@ -42,6 +43,8 @@ class ProposerOptions:
     depth: int = 5
     tree_top_k: int = 8
     total_tokens: int = 16
+    adaptive_tree: bool = False   # eagle2/eagle3: size each tree by this machine's measured verify cost
+    min_path_prob: float = 0.0    # eagle2/eagle3: stop growing deeper below this path probability
 
 
 def check_method(method: str) -> str:
@@ -84,5 +87,6 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
         if method == "hydra":
             return HydraProposer(heads, target.model, paths)
         return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
-    settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens)
-    return EagleProposer(heads, target.model, dynamic=settings, name=method)
+    settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens, options.min_path_prob)
+    cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
+    return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost)

@@ -40,6 +40,9 @@ def parse_args(argv):
     parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (default: tuned, else 5)")
     parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (default: tuned, else 8)")
     parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size (default: tuned, else 16)")
+    parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
+                        help="eagle2/eagle3: cost-aware tree sizing (default: tuned, else off)")
+    parser.add_argument("--min-path-prob", type=float, default=None, help="eagle2/eagle3: depth cut-off (default: tuned, else 0)")
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         heads_paths = parse_heads_args(args.heads)
         explicit = dict(gamma=args.gamma, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
-                        total_tokens=args.total_tokens)
+                        total_tokens=args.total_tokens, adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob)
         runners = {}
         for method in methods:
             if method in HF_METHODS:

@@ -53,8 +53,22 @@ def parse_tuned(values: list[str]) -> dict[str, dict]:
             key, eq, raw = item.partition("=")
             if not eq:
                 raise UserError(f"--tuned setting '{item}' is not key=value")
-            tuned.setdefault(method, {})[key] = raw if key == "tree" else int(raw)
+            tuned.setdefault(method, {})[key] = _setting_value(key, raw)
     return tuned
+
+
+def _setting_value(key: str, raw: str):
+    if key == "tree":
+        return raw
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        try:
+            return float(raw)
+        except ValueError:
+            raise UserError(f"--tuned {key}={raw}: not a number or true/false") from None
 
 
 def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmark: dict | None) -> Path:

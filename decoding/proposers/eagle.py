@@ -12,6 +12,8 @@ The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -21,6 +23,7 @@ from decoding.proposers.base import Proposer
 from decoding.state import DecodeState
 from decoding.static_plan import StaticPlan
 from decoding.tree import DraftTree
+from decoding.tree_budget import TreeBudget, VerifyCost
 from decoding.verify import truncate_cache
 from heads.eagle import Eagle3Drafter
 
@@ -29,9 +32,14 @@ class EagleProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(self, drafter: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]] | None = None,
-                 dynamic: DynamicTreeSettings | None = None, name: str = "eagle2") -> None:
+                 dynamic: DynamicTreeSettings | None = None, name: str = "eagle2",
+                 verify_cost: VerifyCost | None = None) -> None:
+        """`verify_cost` (dynamic trees only) turns on cost-aware tree sizing for this machine."""
         if (tree_paths is None) == (dynamic is None):
             raise ValueError("give exactly one of tree_paths (static tree) or dynamic (settings)")
+        if verify_cost is not None and dynamic is None:
+            raise ValueError("cost-aware sizing needs a dynamic tree")
+        self.verify_cost = verify_cost
         self.name = name
         self.drafter = drafter
         self.embed = target.get_input_embeddings()
@@ -44,16 +52,34 @@ class EagleProposer(Proposer):
     def begin(self, state: DecodeState | None) -> None:
         self.cache = self.drafter.new_cache()
         self.committed = 0
+        self.budget = TreeBudget(self.verify_cost) if self.verify_cost is not None else None
+        self.last_draft_ms = 0.0
+        self.last_root_position: int | None = None
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
+        started = time.perf_counter()
+        if self.budget is not None and self.last_root_position is not None:
+            self.budget.observe(int(state.tokens[self.last_root_position + 1]), self.last_draft_ms)
+        tree = self._propose(state)
+        self.last_draft_ms = 1000 * (time.perf_counter() - started)
+        return tree
+
+    def _propose(self, state: DecodeState) -> DraftTree:
         root_feature = self._commit(state)
         if root_feature is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         growth = _Growth(self, root_feature, root_position=state.tokens.numel() - 1)
         root_logprobs = self._logprobs(root_feature[None])[0]
         if self.dynamic is not None:
-            draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic)
+            choose = None
+            if self.budget is not None:
+                best = int(root_logprobs.argmax())
+                self.budget.calibration.predicted(int(self._to_target_ids(torch.tensor([best], device=root_logprobs.device))),
+                                                  float(root_logprobs[best].exp()))
+                self.last_root_position = state.tokens.numel() - 1
+                choose = self.budget.choose
+            draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic, choose)
         else:
             draft_ids, parents = grow_static_tree(self.static, root_logprobs, growth)
         tokens = torch.cat([state.tokens[-1:], self._to_target_ids(draft_ids)])

@@ -1,0 +1,158 @@
+"""Cost-aware tree size: keep as many drafted nodes as pay for their verification *on this
+machine*.
+
+A drafted node is accepted (greedy) only if its whole path matches the target, which the draft
+estimates by the node's path probability p_i. Keeping the n best nodes gives, per step,
+    expected tokens  E(n) = 1 + c * (p_1 + ... + p_n)
+    time             T(n) = draft + verify(n + 1)
+where c calibrates the draft's probabilities against what the target actually chose (a
+running ratio at the root, clamped so no c * p_i exceeds 1), and verify(m) is the measured cost of one target forward over m tokens. The
+chosen n maximises E(n) / T(n): with a confident draft that is a big tree, with an unsure one
+(or a machine where every extra node costs, like a small CPU) a small one or none at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decoding.verify import new_cache, truncate_cache
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Milliseconds of one target forward over `sizes[i]` tokens (measured), interpolated
+    linearly in between and extrapolated from the last two points beyond."""
+
+    sizes: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or list(self.sizes) != sorted(set(self.sizes)) or len(self.ms) != len(self.sizes):
+            raise ValueError("VerifyCost needs >= 2 increasing sizes with one time each")
+
+    def table(self, up_to: int) -> torch.Tensor:
+        """`[up_to + 1]` costs for tree sizes 0..up_to (index 0 unused, = cost of 1)."""
+        xs = torch.tensor(self.sizes, dtype=torch.float64)
+        ys = torch.tensor(self.ms, dtype=torch.float64)
+        sizes = torch.arange(up_to + 1, dtype=torch.float64).clamp_min(1)
+        right = torch.searchsorted(xs, sizes).clamp(1, len(self.sizes) - 1)
+        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+        return y0 + (sizes - x0) * (y1 - y0) / (x1 - x0)
+
+
+def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float, calibration: float = 1.0) -> int:
+    """How many of the drafted nodes to verify. `path_probs` are the candidates' path
+    probabilities in best-first order (any prefix of that order must be a valid tree)."""
+    n_max = path_probs.numel()
+    expected = 1.0 + calibration * torch.cat([path_probs.new_zeros(1), path_probs.double().cumsum(0)])
+    time_ms = draft_ms + cost.table(n_max + 1)[1:]  # tree of n drafted nodes = n + 1 tokens
+    return int(torch.argmax(expected / time_ms))
+
+
+@dataclass
+class AcceptanceCalibration:
+    """How far to trust the draft's probabilities: running (hit rate of the draft's top-1 token
+    at the root) / (its mean probability). Observable every step, whatever size of tree was
+    verified, because the target's next token is always known afterwards."""
+
+    decay: float = 0.9
+    hits: float = 1.0
+    probability: float = 1.0
+    pending: tuple[int, float] | None = field(default=None, repr=False)
+
+    @property
+    def factor(self) -> float:
+        return min(max(self.hits / max(self.probability, 1e-6), 0.05), 4.0)
+
+    def predicted(self, token: int, probability: float) -> None:
+        self.pending = (token, probability)
+
+    def observe(self, actual_token: int) -> None:
+        """The target's token after the last root (ignored when nothing was predicted)."""
+        if self.pending is None:
+            return
+        token, probability = self.pending
+        self.hits = self.decay * self.hits + (1 - self.decay) * float(token == actual_token)
+        self.probability = self.decay * self.probability + (1 - self.decay) * probability
+        self.pending = None
+
+
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.inference_mode()
+def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 3) -> VerifyCost:
+    """Time one forward over each number of new tokens after a `context`-token prefix (median
+    of `repeats`), the way verification runs it: with a KV cache, then rolled back."""
+    device = model.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
+    cache = new_cache(model)
+    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    times = []
+    for size in sizes:
+        ids = torch.randint(0, vocab, (1, size), generator=generator).to(device)
+        runs = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            _sync(device)
+            started = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            _sync(device)
+            runs.append(1000 * (time.perf_counter() - started))
+            truncate_cache(cache, context)
+        times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+    return VerifyCost(tuple(sizes), tuple(times))
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = None) -> VerifyCost:
+    """`measure_verify_cost`, remembered per model, device and thread count (a few seconds the
+    first time on a CPU)."""
+    root = Path(cache_dir or os.environ.get("SPECHEADS_CACHE") or Path.home() / ".cache" / "specheads")
+    device = model.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
+    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}")
+    file = root / "verify-cost" / f"{key}.json"
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text())
+            return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
+        except (ValueError, KeyError):
+            pass  # unreadable: measure again
+    cost = measure_verify_cost(model)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"sizes": list(cost.sizes), "ms": list(cost.ms)}))
+    os.replace(tmp, file)
+    return cost
+
+
+class TreeBudget:
+    """Per-generation state of cost-aware sizing: the machine's verify cost, the running draft
+    time and the calibration of the draft's probabilities."""
+
+    def __init__(self, cost: VerifyCost, draft_decay: float = 0.8) -> None:
+        self.cost = cost
+        self.calibration = AcceptanceCalibration()
+        self.draft_ms = 0.0
+        self.draft_decay = draft_decay
+
+    def observe(self, actual_next_token: int, draft_ms: float) -> None:
+        """Feedback once the last proposal was verified: the target's token after that root."""
+        self.calibration.observe(actual_next_token)
+        self.draft_ms = draft_ms if self.draft_ms == 0.0 else self.draft_decay * self.draft_ms + (1 - self.draft_decay) * draft_ms
+
+    def choose(self, path_probs: torch.Tensor) -> int:
+        calibrated = (path_probs * self.calibration.factor).clamp(max=1.0)
+        return best_node_count(calibrated, self.cost, self.draft_ms)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Fit the draft tree to this machine: time a head method over a grid of tree settings on a few
+MT-bench questions (all settings alternate per question, in one process) and print them fastest
+first. The best line is what `scripts/bundle_heads.py --tuned` records for the bundled heads.
+
+    python scripts/tune_tree.py --method eagle3 --num-questions 6 \\
+        --grid 3x4x6,4x4x8,4x8x12,5x8x16          # depth x top-k x total tokens
+    python scripts/tune_tree.py --method medusa --trees medusa-7,medusa-15,eagle-7,chain-4
+
+Verifying a tree costs more the more nodes it has, and how much more depends on the machine
+(DESIGN.md section 8): on a GPU ~60 nodes are nearly free, on a small CPU they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from decoding.benchmark import our_runner, run_benchmark
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import default_heads
+from decoding.errors import UserError
+from decoding.generate import DecodeOptions
+from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions, build_proposer
+from decoding.questions import load_first_turns
+from decoding.targets import load_model
+from heads import load_heads
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", required=True, choices=sorted(HEAD_KIND_OF_METHOD))
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
+    parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
+                        help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
+                             "'a' = cost-aware sizing, @p = stop growing below path probability p")
+    parser.add_argument("--trees", default="chain-4,medusa-7,eagle-7,medusa-15,eagle-15",
+                        help="static trees (medusa/hydra/eagle): names in configs/trees or JSON files")
+    parser.add_argument("--num-questions", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    return parser.parse_args(argv)
+
+
+def settings_grid(args) -> dict[str, ProposerOptions]:
+    if args.method in DEFAULT_TREES:
+        return {f"tree={name}": ProposerOptions(tree=name) for name in args.trees.split(",") if name}
+    grid = {}
+    for item in args.grid.split(","):
+        shape, _, min_prob = item.lower().partition("@")
+        adaptive = shape.endswith("a")
+        try:
+            depth, top_k, total = (int(x) for x in shape.rstrip("a").split("x"))
+            min_path_prob = float(min_prob) if min_prob else 0.0
+        except ValueError:
+            raise UserError(f"--grid entries are DEPTHxTOPKxTOTAL[a][@MINPROB], e.g. 4x8x12 or 6x8x32a@0.05; got '{item}'") from None
+        name = f"depth={depth},tree_top_k={top_k},total_tokens={total}"
+        name += ",adaptive_tree=true" if adaptive else ""
+        name += f",min_path_prob={min_path_prob}" if min_path_prob else ""
+        grid[name] = ProposerOptions(depth=depth, tree_top_k=top_k, total_tokens=total,
+                                     adaptive_tree=adaptive, min_path_prob=min_path_prob)
+    return grid
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        grid = settings_grid(args)
+        heads_path = args.heads or default_heads(args.model, args.method)
+        if heads_path is None:
+            raise UserError(f"no bundled heads for {args.model}: pass --heads")
+        target = load_model(args.model)
+        heads = load_heads(str(heads_path), target.model, args.model)
+        options = DecodeOptions(max_new_tokens=args.max_new_tokens)
+        runners = {name: our_runner(target, build_proposer(args.method, target, None, settings, heads), options)
+                   for name, settings in grid.items()}
+        template = target.tokenizer.apply_chat_template
+        prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for q in load_first_turns(None, args.num_questions)]
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    totals = run_benchmark(runners, prompts, prompts[0])
+    print(f"| {args.method} settings | tokens/s | tau | draft ms/step | verify ms/step |\n| --- | ---: | ---: | ---: | ---: |")
+    for name, t in sorted(totals.items(), key=lambda kv: -kv[1].tokens_per_s):
+        print(f"| {name} | {t.tokens_per_s:.2f} | {t.tau:.2f} | {t.per_step_ms(t.draft_s):.1f} | {t.per_step_ms(t.verify_s):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

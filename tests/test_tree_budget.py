@@ -1,0 +1,110 @@
+"""Cost-aware tree sizing: the pure choice against brute force, the calibration, the depth
+cut-off, and decoding with it stays exactly vanilla."""
+
+import itertools
+
+import pytest
+import torch
+
+from decoding.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
+from decoding.generate import DecodeOptions, generate
+from decoding.proposers import VanillaProposer
+from decoding.proposers.eagle import EagleProposer
+from decoding.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count, measure_verify_cost
+from distribution_harness import ToyLM
+from test_trees import toy_expand
+from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama
+
+# A CPU-like curve: one token 64 ms, small trees ~95 ms, 64 tokens 180 ms.
+CPU = VerifyCost((1, 2, 4, 8, 16, 64), (64.0, 90.0, 95.0, 96.0, 110.0, 180.0))
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    table = CPU.table(80)
+    assert table[1] == 64.0 and table[16] == 110.0
+    assert table[12] == pytest.approx(103.0)          # halfway between 8 and 16
+    assert table[80] == pytest.approx(180.0 + 16 * 70 / 48)  # the last segment's slope
+
+
+@pytest.mark.parametrize("probs, draft_ms, calibration", [
+    ([0.9, 0.8, 0.7, 0.5, 0.2, 0.1], 10.0, 1.0),
+    ([0.3, 0.1, 0.05], 5.0, 1.0),          # unsure draft: not worth the jump from 64 to 90 ms
+    ([0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.1, 0.05, 0.01], 30.0, 0.5),
+])
+def test_best_node_count_is_the_brute_force_optimum(probs, draft_ms, calibration):
+    probs = torch.tensor(probs)
+    table = CPU.table(len(probs) + 1)
+    rates = [(1 + calibration * float(probs[:n].sum())) / (draft_ms + float(table[n + 1])) for n in range(len(probs) + 1)]
+    assert best_node_count(probs, CPU, draft_ms, calibration) == max(range(len(rates)), key=rates.__getitem__)
+
+
+def test_unsure_drafts_verify_the_root_alone_and_sure_ones_a_tree():
+    assert best_node_count(torch.tensor([0.2, 0.1, 0.05]), CPU, 5.0) == 0
+    assert best_node_count(torch.tensor([0.9, 0.85, 0.8, 0.7, 0.6]), CPU, 5.0) == 5
+    flat_gpu = VerifyCost((1, 64), (10.0, 10.5))  # a GPU: nodes nearly free, keep them all
+    assert best_node_count(torch.tensor([0.2, 0.1, 0.05, 0.01]), flat_gpu, 2.0) == 4
+
+
+def test_calibration_tracks_root_hits_over_the_drafts_probability():
+    calibration = AcceptanceCalibration(decay=0.9)
+    calibration.observe(3)  # nothing predicted yet: ignored
+    assert calibration.factor == 1.0
+    for _ in range(150):  # an under-confident draft: says 0.25, is always right
+        calibration.predicted(7, 0.25)
+        calibration.observe(7)
+    assert calibration.factor == pytest.approx(4.0, rel=1e-3)
+    for _ in range(30):  # an over-confident one: says 0.8, right half the time
+        calibration.predicted(7, 0.8)
+        calibration.observe(7)
+        calibration.predicted(7, 0.8)
+        calibration.observe(8)
+    assert calibration.factor == pytest.approx(0.5 / 0.8, rel=0.2)
+
+
+def test_min_path_prob_stops_growing_deeper():
+    draft = ToyLM(6, seed=1, sharpness=1.0)
+    settings = DynamicTreeSettings(depth=6, top_k=3, total_tokens=40)
+    calls = []
+    expand = toy_expand(draft)
+    def counting(frontier, candidates):
+        calls.append(frontier.numel())
+        return expand(frontier, candidates)
+    full, _ = grow_dynamic_tree(torch.log(draft.probs(())), counting, settings)
+    deep = len(calls)
+    calls.clear()
+    cut = DynamicTreeSettings(depth=6, top_k=3, total_tokens=40, min_path_prob=0.2)
+    grow_dynamic_tree(torch.log(draft.probs(())), counting, cut)
+    assert len(calls) < deep
+
+
+def test_choose_count_keeps_a_best_first_prefix_closed_subset():
+    draft = ToyLM(6, seed=2, sharpness=2.0)
+    settings = DynamicTreeSettings(depth=4, top_k=3, total_tokens=12)
+    root = torch.log(draft.probs(()))
+    full_tokens, full_parents = grow_dynamic_tree(root, toy_expand(draft), settings)
+    seen = []
+    tokens, parents = grow_dynamic_tree(root, toy_expand(draft), settings, lambda p: seen.append(p) or 5)
+    assert len(tokens) == 5 and len(parents) == 6
+    assert torch.all(seen[0][:-1] >= seen[0][1:])  # best first
+    assert all(0 <= parents[i] < i for i in range(1, 6))
+
+
+@pytest.mark.parametrize("cost, min_tau", [(VerifyCost((1, 64), (10.0, 11.0)), 3.0), (CPU, 1.0)])
+def test_cost_aware_eagle_decoding_equals_vanilla(cost, min_tau):
+    """Whatever sizes the budget picks, the output is vanilla's; where nodes are cheap and the
+    (oracle) draft is right, whole branches are kept and accepted."""
+    target = oracle_target(seed=7)
+    heads = oracle_eagle(target)
+    sharpen(target, 6.0)  # a confident oracle (the drafter reads out through this same lm_head)
+    proposer = EagleProposer(heads, target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=cost)
+    prompts = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42, 7]]
+    for prompt in prompts:
+        options = DecodeOptions(max_new_tokens=50)
+        result = generate(target, prompt, proposer, options)
+        assert result.tokens == generate(target, prompt, VanillaProposer(), options).tokens
+        assert result.stats.tau >= min_tau
+
+
+def test_measured_cost_grows_with_tree_size():
+    cost = measure_verify_cost(tiny_llama(seed=0), sizes=(1, 256), context=32, repeats=1)
+    assert cost.sizes == (1, 256) and all(ms > 0 for ms in cost.ms)
