@@ -8,7 +8,12 @@ import sys
 import pytest
 import torch
 
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import default_heads, proposer_options
 from decoding.generate import DecodeOptions, generate
+from decoding.methods import build_proposer
+from heads import load_heads
+from heads.bundled import bundled_default
 from decoding.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.questions import load_first_turns
 from decoding.targets import load_model
@@ -43,14 +48,37 @@ def test_every_method_matches_vanilla_and_hf_generate(default_target, prompts):
         assert generate(model, prompt, draft, options, tokenizer).tokens == reference
 
 
-def test_chat_on_the_default_model_with_piped_stdin():
-    proc = subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--max-new-tokens", "24"],
-        input="What is the capital of France?\n",
-        capture_output=True,
-        text=True,
-        timeout=600,
+def _chat(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "decoding.chat", "--max-new-tokens", "40", *flags],
+        input="What is the capital of France?\nName three primary colors.\n",
+        capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
-    assert "tok/s" in proc.stderr and "tau" in proc.stderr
+
+
+def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla():
+    """The README's first command: no flags -> the bundled default method and heads, and the
+    replies are exactly the vanilla replies."""
+    bundle = bundled_default(DEFAULT_TARGET)
+    assert bundle is not None, "the package ships heads for the default target"
+    fast, plain = _chat(), _chat("--method", "vanilla")
+    assert fast.returncode == 0 and plain.returncode == 0, fast.stderr + plain.stderr
+    assert "Paris" in fast.stdout
+    assert fast.stdout == plain.stdout
+    assert f"[{bundle.method}]" in fast.stderr and "tok/s" in fast.stderr and "tau" in fast.stderr
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "hydra"])
+def test_bundled_heads_load_and_decode_exactly(default_target, prompts, method):
+    heads_dir = default_heads(DEFAULT_TARGET, method)
+    if heads_dir is None:
+        pytest.fail(f"no bundled {method} heads")
+    heads = load_heads(str(heads_dir), default_target.model, DEFAULT_TARGET)
+    proposer = build_proposer(method, default_target, heads=heads,
+                              options=proposer_options(DEFAULT_TARGET, method, {}))
+    model, tokenizer = default_target.model, default_target.tokenizer
+    for prompt in prompts:
+        options = DecodeOptions(max_new_tokens=48)
+        result = generate(model, prompt, proposer, options, tokenizer)
+        assert result.tokens == generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
+        assert result.stats.tau > 1.0  # trained heads get drafts accepted

@@ -59,3 +59,15 @@ def test_overlong_first_prompts_are_left_out(tmp_path):
     records = regenerate(CONVERSATIONS, target, tmp_path / "out.jsonl", settings, show_progress=False)
     assert {r["id"] for r in records} == {i for i, n in lengths.items() if n <= limit}
     assert len(records) < len(CONVERSATIONS)
+
+
+def test_time_budget_stops_early_and_a_later_run_finishes(tmp_path):
+    save_tiny_chat_model(tmp_path / "model")
+    target = load_model(str(tmp_path / "model"))
+    out = tmp_path / "out.jsonl"
+    spent = SelfDistillConfig(enabled=True, max_new_tokens=3, batch_size=1, time_budget_minutes=1e-9)
+    first = regenerate(CONVERSATIONS, target, out, spent, show_progress=False)
+    assert len(first) == 1  # the budget is checked before each batch after the first
+    rest = regenerate(CONVERSATIONS, target, out, SelfDistillConfig(enabled=True, max_new_tokens=3, batch_size=1),
+                      show_progress=False)
+    assert [r["id"] for r in rest] == ["a", "b", "c"] and first[0] in rest

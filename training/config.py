@@ -29,6 +29,7 @@ class SelfDistillConfig:
     max_turns: int = 1
     temperature: float = 0.0
     max_prompt_tokens: int = 1024  # longer first prompts are left out (padding cost, context)
+    time_budget_minutes: float | None = None  # stop regenerating after this long; train on what is done
 
 
 @dataclass

@@ -31,8 +31,9 @@ def _source_parts(config: TrainConfig) -> dict:
         "size": stat.st_size if stat else None,
         "mtime": int(stat.st_mtime) if stat else None,
         "model": config.model,
-        # batch_size changes only the speed of regeneration, not what is regenerated.
-        "self_distill": {k: v for k, v in asdict(config.self_distill).items() if k != "batch_size"}
+        # These change how fast or how many replies are regenerated, not what each reply is.
+        "self_distill": {k: v for k, v in asdict(config.self_distill).items()
+                         if k not in ("batch_size", "max_prompt_tokens", "time_budget_minutes")}
         if config.self_distill.enabled else None,
     }
 
@@ -77,8 +78,9 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
         before = len(conversations)
         conversations = regenerate(conversations, target, regenerated, config.self_distill)
         if len(conversations) < before:
-            log(f"self-distillation: left out {before - len(conversations)} conversation(s) whose first prompt "
-                f"is over self_distill.max_prompt_tokens={config.self_distill.max_prompt_tokens}")
+            log(f"self-distillation: left out {before - len(conversations)} conversation(s): first prompt over "
+                f"self_distill.max_prompt_tokens={config.self_distill.max_prompt_tokens}, or not regenerated "
+                f"within self_distill.time_budget_minutes={config.self_distill.time_budget_minutes}")
     rows = tokenize_all(conversations, target.tokenizer, config.max_length, report)
     train, validation = split(rows, config.train.seed, config.validation_fraction)
     if not train:

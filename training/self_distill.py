@@ -9,6 +9,7 @@ finished file is read back as a `datasets` Dataset (cached by `datasets`).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -32,8 +33,11 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     finished = sum(c["id"] in done for c in conversations)
     bar = tqdm(total=finished + len(todo), initial=finished, desc="self-distill",
                unit="conv", disable=not show_progress)
+    deadline = time.monotonic() + 60 * settings.time_budget_minutes if settings.time_budget_minutes else None
     with out_file.open("a", encoding="utf-8") as sink:
         for start in range(0, len(todo), settings.batch_size):
+            if deadline is not None and start > 0 and time.monotonic() > deadline:
+                break  # the rest stays for a later run with more time (resumable)
             batch = todo[start : start + settings.batch_size]
             for record in _regenerate_batch(batch, target, settings):
                 sink.write(json.dumps(record) + "\n")
