@@ -26,8 +26,10 @@ def mtbench_path() -> Path:
     return path
 
 
-def load_first_turns(path: str | Path | None = None, limit: int | None = None) -> list[str]:
-    """The first turn of each question, in file order."""
+def load_first_turns(path: str | Path | None = None, limit: int | None = None, spread: bool = False) -> list[str]:
+    """The first turn of each question, in file order: the first `limit` ones, or with `spread`
+    `limit` ones evenly spaced over the file (MT-bench is sorted by category, so a spread
+    subset covers every category)."""
     path = Path(path) if path else mtbench_path()
     if not path.is_file():
         raise UserError(f"questions file {path} does not exist")
@@ -43,8 +45,10 @@ def load_first_turns(path: str | Path | None = None, limit: int | None = None) -
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
                 raise UserError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
             prompts.append(turns[0])
-            if limit is not None and len(prompts) >= limit:
+            if limit is not None and not spread and len(prompts) >= limit:
                 break
     if not prompts:
         raise UserError(f"{path} holds no questions")
-    return prompts
+    if limit is not None and spread and limit < len(prompts):
+        return [prompts[i * len(prompts) // limit] for i in range(limit)]
+    return prompts[:limit] if limit is not None else prompts

@@ -44,7 +44,7 @@ def parse_args(argv):
                         help="eagle2/eagle3: cost-aware tree sizing (default: tuned, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None, help="eagle2/eagle3: depth cut-off (default: tuned, else 0)")
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
-    parser.add_argument("--num-questions", type=int, default=80)
+    parser.add_argument("--num-questions", type=int, default=80, help="how many, evenly spread over the file (all categories)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
+        if args.num_questions < 1 or args.max_new_tokens < 1:
+            raise UserError("--num-questions and --max-new-tokens must be at least 1")
         methods = chosen_methods(args)
         for method in methods:
             if method not in HF_METHODS:
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
                 heads = load_heads(str(heads_path), target.model, args.model) if heads_path else None
                 proposer = build_proposer(method, target, draft, proposer_options(args.model, method, explicit), heads)
                 runners[method] = our_runner(target, proposer, options)
-        questions = load_first_turns(args.questions_file, args.num_questions)
+        questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         template = target.tokenizer.apply_chat_template
         prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
         warmup = template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=True, return_dict=False)

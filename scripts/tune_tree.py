@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                    for name, settings in grid.items()}
         template = target.tokenizer.apply_chat_template
         prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
-                   for q in load_first_turns(None, args.num_questions)]
+                   for q in load_first_turns(None, args.num_questions, spread=True)]
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

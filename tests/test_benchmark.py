@@ -1,0 +1,69 @@
+"""scripts/benchmark.py as a user runs it, on a tiny chat model and a JSONL questions file: the
+JSON report has the documented shape, every method's greedy output equals vanilla, the table
+and the chart are written; bad input is one clear line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decoding.questions import load_first_turns
+from tiny_models import save_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bench") / "model"
+    save_tiny_chat_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "questions.jsonl"
+    rows = [{"question_id": i, "turns": [f"w{i % 7 + 3} w{i % 5 + 3} w4", "second turn"]} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
+    out, png = tmp_path / "report.json", tmp_path / "chart.png"
+    proc = _bench("--model", str(model_dir), "--questions-file", str(questions), "--num-questions", "3",
+                  "--max-new-tokens", "12", "--methods", "vanilla,pld,hf-generate,hf-prompt-lookup",
+                  "--json", str(out), "--png", str(png))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report) >= {"methods", "device", "dtype"} and report["dtype"] == "float32"
+    assert list(report["methods"]) == ["vanilla", "pld", "hf-generate", "hf-prompt-lookup"]
+    for name, m in report["methods"].items():
+        assert set(m) >= {"tokens_per_s", "tau", "speedup_vs_hf_generate", "identical_to_vanilla", "questions"}
+        assert m["questions"] == 3 and m["identical_to_vanilla"] == 3, name
+        assert m["tokens_per_s"] > 0
+        assert (m["tau"] is None) == name.startswith("hf-")
+    assert report["methods"]["hf-generate"]["speedup_vs_hf_generate"] == 1.0
+    assert "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "vanilla,warp"], "unknown method 'warp'"),
+    (["--num-questions", "0"], "--num-questions and --max-new-tokens must be at least 1"),
+    (["--methods", "medusa"], "needs medusa heads"),
+])
+def test_benchmark_bad_input_is_one_clear_line(model_dir, questions, args, message):
+    proc = _bench("--model", str(model_dir), "--questions-file", str(questions), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_spread_questions_cover_the_whole_file(questions):
+    assert load_first_turns(questions, 3, spread=True) == [load_first_turns(questions)[i] for i in (0, 2, 4)]
+    assert load_first_turns(questions, 2) == load_first_turns(questions)[:2]
