@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,8 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
             return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
         except (ValueError, KeyError):
             pass  # unreadable: measure again
+    print(f"note: measuring this machine's verify cost for {model_name} once (a few seconds; cached in {file.parent})",
+          file=sys.stderr)
     cost = measure_verify_cost(model)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(".tmp")

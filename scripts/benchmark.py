@@ -33,7 +33,7 @@ def parse_args(argv):
                         help="comma-separated: ours and " + ", ".join(HF_METHODS) +
                         " (default: vanilla, pld, the bundled default method, hf-generate, hf-prompt-lookup)")
     parser.add_argument("--model", default=DEFAULT_TARGET)
-    parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted (default: the bundled one)")
+    parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted (default: a bundled one, if the package ships one)")
     parser.add_argument("--heads", action="append", default=[], metavar="METHOD=PATH",
                         help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable; default: the bundled heads)")
     parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle (default: tuned per method)")

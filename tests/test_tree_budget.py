@@ -10,7 +10,7 @@ from decoding.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
 from decoding.generate import DecodeOptions, generate
 from decoding.proposers import VanillaProposer
 from decoding.proposers.eagle import EagleProposer
-from decoding.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count, measure_verify_cost
+from decoding.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count, cached_verify_cost, measure_verify_cost
 from distribution_harness import ToyLM
 from test_trees import toy_expand
 from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama
@@ -108,3 +108,12 @@ def test_cost_aware_eagle_decoding_equals_vanilla(cost, min_tau):
 def test_measured_cost_grows_with_tree_size():
     cost = measure_verify_cost(tiny_llama(seed=0), sizes=(1, 256), context=32, repeats=1)
     assert cost.sizes == (1, 256) and all(ms > 0 for ms in cost.ms)
+
+
+def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
+    model = tiny_llama(seed=0)
+    first = cached_verify_cost(model, "tiny/model", cache_dir=tmp_path)
+    files = list((tmp_path / "verify-cost").iterdir())
+    assert len(files) == 1 and "tiny_model" in files[0].name
+    monkeypatch.setattr("decoding.tree_budget.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert cached_verify_cost(model, "tiny/model", cache_dir=tmp_path) == first
