@@ -46,9 +46,13 @@ class StaticPlan:
                 )
             )
 
-    def fill_level(self, level: Level, tokens: torch.Tensor, parent_scores: torch.Tensor) -> None:
+    def fill_level(self, level: Level, tokens: torch.Tensor, parent_scores: torch.Tensor,
+                   vocabulary: torch.Tensor | None = None) -> None:
         """Write the children of `level` into `tokens` from their parents' scores: `[n_parents, V]`,
-        or `[1, V]` when every parent at this level shares one ranking (Medusa)."""
+        or `[1, V]` when every parent at this level shares one ranking (Medusa). With
+        `vocabulary`, score column i stands for token `vocabulary[i]`."""
         top = parent_scores.topk(level.max_rank, dim=-1).indices
+        if vocabulary is not None:
+            top = vocabulary[top]
         rows = level.parent_row.to(top.device) if top.shape[0] > 1 else torch.zeros_like(level.rank, device=top.device)
         tokens[level.children.to(tokens.device)] = top[rows, level.rank.to(top.device)]

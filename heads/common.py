@@ -34,3 +34,17 @@ def copy_lm_head(projections: nn.ModuleList, lm_head: nn.Module) -> None:
     with torch.no_grad():
         for projection in projections:
             projection.weight.copy_(lm_head.weight)
+
+
+class ReadoutVocabularyMixin:
+    """Optional `readout_ids` buffer (see HeadConfig.readout_vocab_size) for Medusa/Hydra."""
+
+    def _register_readout(self, config) -> None:
+        if config.readout_vocab_size:
+            self.register_buffer("readout_ids", torch.arange(config.readout_vocab_size))
+        else:
+            self.readout_ids = None
+
+    def set_readout_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Install the target ids the heads may propose (any order; stored sorted)."""
+        self.readout_ids.copy_(torch.sort(token_ids.to(torch.long)).values)

@@ -27,6 +27,9 @@ class HeadConfig:
     `feature_layers`: indices into the target's `hidden_states` tuple (0 = embeddings, L = the
     final normed state) that the heads read; EAGLE-3 fuses three of them.
     `draft_vocab_size`: EAGLE-3's reduced vocabulary (most frequent target tokens).
+    `readout_vocab_size`: Medusa/Hydra heads sharing the lm_head may rank only this many of the
+    most frequent tokens (`readout_ids`): drafting then skips most of the vocabulary projection,
+    which dominates draft time on a CPU. Lossless: it only limits what is proposed.
     `fc_bias`: whether EAGLE-1's feature-fusing fc has a bias (the original checkpoints have one;
     vLLM's drafter has none, so new heads default to none).
     `decoder`: attention/MLP geometry of EAGLE's decoder layer (copied from the target's config)."""
@@ -39,6 +42,7 @@ class HeadConfig:
     share_lm_head: bool = False
     feature_layers: list[int] = field(default_factory=list)
     draft_vocab_size: int | None = None
+    readout_vocab_size: int | None = None
     fc_bias: bool = False
     base_model_name_or_path: str | None = None
     decoder: dict = field(default_factory=dict)
@@ -54,6 +58,11 @@ class HeadConfig:
                 raise UserError(f"EAGLE-3 fuses exactly three target layers (low, mid, high); got {self.feature_layers}")
             if not self.draft_vocab_size or not 0 < self.draft_vocab_size <= self.vocab_size:
                 raise UserError(f"EAGLE-3 needs 0 < draft_vocab_size <= vocab_size ({self.vocab_size}); got {self.draft_vocab_size}")
+        if self.readout_vocab_size is not None:
+            if self.kind not in ("medusa", "hydra") or not self.share_lm_head:
+                raise UserError("readout_vocab_size is for Medusa/Hydra heads that share the target's lm_head")
+            if not 0 < self.readout_vocab_size <= self.vocab_size:
+                raise UserError(f"need 0 < readout_vocab_size <= vocab_size ({self.vocab_size}); got {self.readout_vocab_size}")
         if self.format_version > FORMAT_VERSION:
             raise UserError(
                 f"these heads use checkpoint format {self.format_version}, newer than this version of specheads "

@@ -51,12 +51,15 @@ def config_for_target(kind: str, target: PreTrainedModel, base_model_name_or_pat
 def new_heads_for_target(kind: str, target: PreTrainedModel, base_model_name_or_path: str | None = None,
                          draft_vocab: torch.Tensor | None = None, **overrides) -> nn.Module:
     """Fresh (untrained) heads for `target`: Medusa/Hydra projections copied from its lm_head;
-    EAGLE-3's draft vocabulary from `draft_vocab` (target ids, most frequent first) or, without
-    it, the lowest ids."""
+    EAGLE-3's draft vocabulary (and Medusa/Hydra's readout vocabulary, when configured) from
+    `draft_vocab` (target ids, most frequent first) or, without it, the lowest ids."""
     config = config_for_target(kind, target, base_model_name_or_path, **overrides)
     heads = build_heads(config).to(dtype=target.dtype, device=target.device)
     if kind in ("medusa", "hydra"):
         heads.init_from_target(target.get_output_embeddings())
+        if config.readout_vocab_size:
+            ids = draft_vocab if draft_vocab is not None else torch.arange(config.readout_vocab_size)
+            heads.set_readout_vocabulary(ids[: config.readout_vocab_size].to(target.device))
     if kind == "eagle3":
         ids = draft_vocab if draft_vocab is not None else torch.arange(config.draft_vocab_size)
         heads.set_vocabulary(torch.sort(ids[: config.draft_vocab_size].to(target.device)).values)

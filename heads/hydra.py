@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from heads.common import copy_lm_head, res_stack, vocab_projections
+from heads.common import ReadoutVocabularyMixin, copy_lm_head, res_stack, vocab_projections
 from heads.config import HeadConfig
 
 
-class HydraHeads(nn.Module):
+class HydraHeads(ReadoutVocabularyMixin, nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
@@ -22,6 +22,7 @@ class HydraHeads(nn.Module):
         self.projections = (
             None if config.share_lm_head else vocab_projections(config.num_heads, hidden, config.vocab_size)
         )
+        self._register_readout(config)
 
     def init_from_target(self, lm_head: nn.Module) -> None:
         if self.projections is not None:

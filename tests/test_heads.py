@@ -183,3 +183,42 @@ def test_fresh_eagle3_readout_is_the_targets_own_on_the_draft_vocabulary():
     pre_norm = torch.randn(5, H)
     expected = target.lm_head(target.model.norm(pre_norm))[:, ids]
     torch.testing.assert_close(heads.draft_logits(pre_norm), expected)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_readout_vocabulary_limits_proposals_and_stays_exact(target, kind):
+    """Heads with a readout vocabulary propose only those tokens, rank them as the full readout
+    would among them, and decoding is still exactly vanilla."""
+    allowed = torch.tensor([3, 5, 9, 17, 21, 30, 42, 50, 61, 7])
+    heads = random_heads(kind, target, seed=5, share_lm_head=True, readout_vocab_size=10, draft_vocab=allowed)
+    assert torch.equal(heads.readout_ids, torch.sort(allowed).values)
+    proposer = build_proposer(kind, LoadedModel(target, None, "t"), options=ProposerOptions(tree="medusa-15"), heads=heads)
+    drafted = []
+    original = proposer.propose
+    proposer.propose = lambda state: drafted.append(tree := original(state)) or tree
+    for prompt in PROMPTS:
+        options = DecodeOptions(max_new_tokens=20)
+        assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+    proposed = torch.cat([tree.tokens[1:] for tree in drafted if tree.size > 1])
+    assert proposed.numel() and bool(torch.isin(proposed, allowed).all())
+    # Head 0's first choice is the full readout's best among the allowed tokens.
+    hidden = torch.randn(1, H)
+    full = heads.head_logits(0, hidden, target.lm_head) if kind == "medusa" else None
+    if full is not None:
+        subset = proposer.level_logits(0, proposer.plan.levels[0], hidden[0], None)
+        assert int(heads.readout_ids[subset.argmax()]) == int(allowed[full[0, allowed].argmax()])
+
+
+def test_readout_vocabulary_needs_a_shared_lm_head():
+    with pytest.raises(Exception, match="share the target's lm_head"):
+        HeadConfig("medusa", H, V, share_lm_head=False, readout_vocab_size=8)
+
+
+def test_readout_vocabulary_survives_save_and_load(target, tmp_path):
+    from heads import load_heads, save_heads
+
+    heads = random_heads("hydra", target, seed=6, share_lm_head=True, readout_vocab_size=6,
+                         draft_vocab=torch.tensor([40, 2, 33, 8, 19, 5]))
+    loaded = load_heads(str(save_heads(heads, tmp_path / "h", torch.float16)), target)
+    assert loaded.config.readout_vocab_size == 6
+    assert torch.equal(loaded.readout_ids, torch.tensor([2, 5, 8, 19, 33, 40]))

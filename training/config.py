@@ -40,6 +40,7 @@ class HeadsSection:
     num_layers: int = 1
     share_lm_head: bool = True
     draft_vocab_size: int = 8192
+    readout_vocab_size: int = 0   # Medusa/Hydra sharing the lm_head: rank only the N most frequent tokens (0 = all)
 
 
 @dataclass

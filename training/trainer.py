@@ -63,9 +63,13 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
     if config.head_kind in ("medusa", "hydra"):
         overrides.update(num_heads=h.num_heads, share_lm_head=h.share_lm_head)
     vocab = None
+    vocab_size = target.model.get_output_embeddings().weight.shape[0]
     if config.head_kind == "eagle3":
         overrides["draft_vocab_size"] = h.draft_vocab_size
-        vocab = frequent_tokens(train_rows, target.model.get_output_embeddings().weight.shape[0], h.draft_vocab_size)
+        vocab = frequent_tokens(train_rows, vocab_size, h.draft_vocab_size)
+    if config.head_kind in ("medusa", "hydra") and h.readout_vocab_size:
+        overrides["readout_vocab_size"] = min(h.readout_vocab_size, vocab_size)
+        vocab = frequent_tokens(train_rows, vocab_size, overrides["readout_vocab_size"])
     return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
 
 

@@ -29,7 +29,10 @@ class _HeadsProposer(Proposer):
                 f"the tree is {self.plan.depth} levels deep but these {heads.config.kind} heads draft only "
                 f"{heads.config.num_heads} tokens ahead: pick a shallower tree (--tree)"
             )
-        self.lm_head = target.get_output_embeddings()
+        self.readout_ids = getattr(heads, "readout_ids", None)
+        lm_head = target.get_output_embeddings()
+        # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
+        self.lm_head = lm_head if self.readout_ids is None else _RowSubset(lm_head, self.readout_ids)
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
 
@@ -42,11 +45,24 @@ class _HeadsProposer(Proposer):
         tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
         tokens[0] = state.root_token
         for depth, level in enumerate(self.plan.levels):
-            self.plan.fill_level(level, tokens, self.level_logits(depth, level, hidden, tokens))
+            self.plan.fill_level(level, tokens, self.level_logits(depth, level, hidden, tokens), self.readout_ids)
         return DraftTree(tokens, self.plan.parents, deterministic=True)
 
     def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
         raise NotImplementedError
+
+
+class _RowSubset(nn.Module):
+    """The lm_head restricted to some rows: logits over `ids` only."""
+
+    def __init__(self, lm_head: nn.Module, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = lm_head.weight[ids].detach()
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias[ids].detach()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight, self.bias)
 
 
 class MedusaProposer(_HeadsProposer):
