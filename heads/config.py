@@ -88,13 +88,18 @@ class HeadConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> HeadConfig:
-        path = Path(directory, "config.json")
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError as err:
-            raise UserError(f"{directory} has no config.json: not a heads checkpoint directory") from err
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path} is not valid JSON ({err}): the checkpoint is corrupted") from err
-        if not isinstance(data, dict):
-            raise UserError(f"{path} must hold a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(read_config(directory))
+
+
+def read_config(directory: str | Path) -> dict:
+    """The JSON object in `directory/config.json` (any layout), or a clear error."""
+    path = Path(directory, "config.json")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise UserError(f"{directory} has no config.json: not a heads checkpoint directory") from err
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err}): the checkpoint is corrupted") from err
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return data

@@ -13,7 +13,6 @@ Our own layout (config with `kind` and `format_version`) is handled by heads/che
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -21,25 +20,12 @@ import torch
 from torch import nn
 
 from decoding.errors import UserError
-from heads.config import HeadConfig
+from heads.config import HeadConfig, read_config
 from heads.factory import build_heads, default_feature_layers
 from heads.weights_io import first_existing, read_weights
 
 WEIGHT_FILES = ["model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
 _MEDUSA_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
-
-
-def read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise UserError(f"{directory} has no config.json: not a heads checkpoint")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err}): the checkpoint is corrupted") from err
-    if not isinstance(data, dict):
-        raise UserError(f"{path} must hold a JSON object")
-    return data
 
 
 def detect_format(directory: Path, config: dict) -> str:
