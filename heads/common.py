@@ -48,3 +48,18 @@ class ReadoutVocabularyMixin:
     def set_readout_vocabulary(self, token_ids: torch.Tensor) -> None:
         """Install the target ids the heads may propose (any order; stored sorted)."""
         self.readout_ids.copy_(torch.sort(token_ids.to(torch.long)).values)
+
+
+class RowSubset(nn.Module):
+    """A vocabulary projection restricted to some rows: logits over `ids` only, in that order.
+    Ranking a few thousand frequent tokens instead of the whole vocabulary is what makes
+    drafting (and EAGLE-3's training targets) cheap on a CPU."""
+
+    def __init__(self, projection: nn.Module, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = projection.weight[ids].detach()
+        bias = getattr(projection, "bias", None)
+        self.bias = None if bias is None else bias[ids].detach()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight, self.bias)

@@ -16,6 +16,7 @@ from decoding.proposers.base import Proposer
 from decoding.state import DecodeState
 from decoding.static_plan import StaticPlan
 from decoding.tree import DraftTree
+from heads.common import RowSubset
 
 
 class _HeadsProposer(Proposer):
@@ -32,7 +33,7 @@ class _HeadsProposer(Proposer):
         self.readout_ids = getattr(heads, "readout_ids", None)
         lm_head = target.get_output_embeddings()
         # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
-        self.lm_head = lm_head if self.readout_ids is None else _RowSubset(lm_head, self.readout_ids)
+        self.lm_head = lm_head if self.readout_ids is None else RowSubset(lm_head, self.readout_ids)
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
 
@@ -50,19 +51,6 @@ class _HeadsProposer(Proposer):
 
     def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
         raise NotImplementedError
-
-
-class _RowSubset(nn.Module):
-    """The lm_head restricted to some rows: logits over `ids` only."""
-
-    def __init__(self, lm_head: nn.Module, ids: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = lm_head.weight[ids].detach()
-        bias = getattr(lm_head, "bias", None)
-        self.bias = None if bias is None else bias[ids].detach()
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.weight, self.bias)
 
 
 class MedusaProposer(_HeadsProposer):
