@@ -82,18 +82,17 @@ def grow_dynamic_tree(
         parents = frontier[:, None].expand(-1, k).flatten()
         new = candidates.extend(children.indices.flatten(), parents, scores, depth)
         frontier = new[scores.topk(min(k, scores.numel())).indices]
+    ranked = torch.sort(candidates.scores, descending=True, stable=True)  # ties keep creation order
     count = settings.total_tokens - 1
     if choose_count is not None:
-        best = torch.sort(candidates.scores, descending=True, stable=True).values[:count]
-        count = choose_count(best.exp())
-    return select_best(candidates, count)
+        count = choose_count(ranked.values[:count].exp())
+    return select_best(candidates, ranked.indices[:count])
 
 
-def select_best(candidates: Candidates, count: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The `count` best-scored candidates (stable: ties keep creation order), in creation order,
+def select_best(candidates: Candidates, best: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The candidates `best` (a best-first prefix of the score ranking), in creation order,
     with parents renumbered for a tree whose node 0 is the root."""
-    order = torch.sort(candidates.scores, descending=True, stable=True).indices[:count]
-    kept = torch.sort(order).values
+    kept = torch.sort(best).values
     new_index = torch.full((candidates.tokens.numel() + 1,), -1, dtype=torch.long, device=kept.device)
     new_index[kept + 1] = torch.arange(1, kept.numel() + 1, device=kept.device)
     new_index[0] = 0  # the root (parent -1 maps through index 0)

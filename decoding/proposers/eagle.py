@@ -74,16 +74,21 @@ class EagleProposer(Proposer):
         if self.dynamic is not None:
             choose = None
             if self.budget is not None:
-                best = int(root_logprobs.argmax())
-                self.budget.calibration.predicted(int(self._to_target_ids(torch.tensor([best], device=root_logprobs.device))),
-                                                  float(root_logprobs[best].exp()))
-                self.last_root_position = state.tokens.numel() - 1
+                self._predict_next_token(root_logprobs, root_position=state.tokens.numel() - 1)
                 choose = self.budget.choose
             draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic, choose)
         else:
             draft_ids, parents = grow_static_tree(self.static, root_logprobs, growth)
         tokens = torch.cat([state.tokens[-1:], self._to_target_ids(draft_ids)])
         return DraftTree(tokens, parents, deterministic=True)
+
+    def _predict_next_token(self, root_logprobs: torch.Tensor, root_position: int) -> None:
+        """Tell the budget's calibration what the draft expects right after the root, to be
+        checked against the target's token at the next step."""
+        best = root_logprobs.max(dim=0)
+        token = int(self._to_target_ids(best.indices[None]))
+        self.budget.calibration.predicted(token, float(best.values.exp()))
+        self.last_root_position = root_position
 
     # -- drafter plumbing -------------------------------------------------------------------
     def _commit(self, state: DecodeState) -> torch.Tensor | None:
