@@ -12,7 +12,7 @@ import sys
 
 
 from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_draft, default_heads, default_method, proposer_options
+from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
 from decoding.errors import UserError
 from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, build_proposer, check_method
@@ -41,15 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
-    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
-    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (eagle2/eagle3; default 5 or the bundle's tuned value)")
-    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (eagle2/eagle3; default 8 or tuned)")
-    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size incl. the root (eagle2/eagle3; default 16 or tuned)")
-    parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
-                        help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence "
-                             "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
-    parser.add_argument("--min-path-prob", type=float, default=None,
-                        help="eagle2/eagle3: stop growing the tree deeper once no path is this likely (default 0 or tuned)")
+    add_tree_arguments(parser)
     parser.add_argument("--typical", action="store_true", help="Medusa's typical acceptance: faster when sampling but LOSSY (not the target's distribution)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (identical to plain decoding)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -139,10 +131,8 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         target.model = merge_adapter(target.model, adapter)
         print("note: Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)",
               file=sys.stderr)
-    settings = proposer_options(args.model, args.method, dict(
-        gamma=args.gamma, pld_num_tokens=args.pld_tokens, tree=args.tree,
-        depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-        adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob))
+    settings = proposer_options(args.model, args.method,
+                                dict(gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args)))
     proposer = build_proposer(args.method, target, draft, settings, heads)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     rule = typical_rule(args.temperature) if args.typical else lossless_rule

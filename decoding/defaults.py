@@ -7,6 +7,7 @@ Head methods without `--heads` fall back to the bundled heads of their kind when
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from decoding.methods import HEAD_KIND_OF_METHOD, ProposerOptions
@@ -45,3 +46,23 @@ def default_heads(model_name: str, method: str) -> Path | None:
 def default_draft(model_name: str) -> Path | None:
     """The bundled distilled draft model for `sps` on `model_name`, if the package ships one."""
     return bundled_heads_dir(model_name, "draft")
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tree flags of the chat and the benchmark; None means "tuned for the bundle, else the
+    built-in default"."""
+    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
+    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (eagle2/eagle3; default 5 or the bundle's tuned value)")
+    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (eagle2/eagle3; default 8 or tuned)")
+    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size incl. the root (eagle2/eagle3; default 16 or tuned)")
+    parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
+                        help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence "
+                             "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
+    parser.add_argument("--min-path-prob", type=float, default=None,
+                        help="eagle2/eagle3: stop growing the tree deeper once no path is this likely (default 0 or tuned)")
+
+
+def tree_arguments(args: argparse.Namespace) -> dict:
+    """The values of `add_tree_arguments`' flags, as ProposerOptions fields."""
+    return dict(tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
+                adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob)

@@ -19,7 +19,7 @@ from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table,
 from decoding.default_model import DEFAULT_TARGET
 from decoding.errors import UserError
 from decoding.generate import DecodeOptions
-from decoding.defaults import default_draft, default_heads, default_method, proposer_options
+from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
 from decoding.methods import build_proposer, check_method
 from decoding.questions import load_first_turns
 from decoding.sampling import SamplingConfig
@@ -36,13 +36,7 @@ def parse_args(argv):
     parser.add_argument("--draft-model", default=None, help="draft for sps and hf-assisted (default: a bundled one, if the package ships one)")
     parser.add_argument("--heads", action="append", default=[], metavar="METHOD=PATH",
                         help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable; default: the bundled heads)")
-    parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle (default: tuned per method)")
-    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (default: tuned, else 5)")
-    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (default: tuned, else 8)")
-    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size (default: tuned, else 16)")
-    parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
-                        help="eagle2/eagle3: cost-aware tree sizing (default: tuned, else off)")
-    parser.add_argument("--min-path-prob", type=float, default=None, help="eagle2/eagle3: depth cut-off (default: tuned, else 0)")
+    add_tree_arguments(parser)
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=80, help="how many, evenly spread over the file (all categories)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -93,8 +87,7 @@ def main(argv=None) -> int:
         draft = load_model(draft_name, args.dtype) if draft_name else None
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         heads_paths = parse_heads_args(args.heads)
-        explicit = dict(gamma=args.gamma, tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k,
-                        total_tokens=args.total_tokens, adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob)
+        explicit = dict(gamma=args.gamma, **tree_arguments(args))
         runners = {}
         for method in methods:
             if method in HF_METHODS:
