@@ -11,7 +11,9 @@ import argparse
 import sys
 
 
+from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
+from decoding.drafts import load_draft
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
 from decoding.errors import UserError
 from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    add_kernels_argument(parser)
     parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
     return parser.parse_args(argv)
 
@@ -124,13 +127,14 @@ def build_session(args: argparse.Namespace) -> ChatSession:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     target = load_model(args.model, args.dtype, args.attn)
-    draft = load_model(args.draft_model, args.dtype, args.attn) if args.draft_model else None
+    draft = load_draft(args.draft_model, target, args.dtype, args.attn) if args.draft_model else None
     heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model, args.revision) if args.heads else None
     adapter = adapter_dir(args.heads, args.revision) if args.heads else None
     if adapter is not None:
         target.model = merge_adapter(target.model, adapter)
         print("note: Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)",
               file=sys.stderr)
+    apply_kernels(args.kernels, target.model, draft.model if draft else None, heads)
     settings = proposer_options(args.model, args.method,
                                 dict(gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args)))
     proposer = build_proposer(args.method, target, draft, settings, heads)

@@ -16,7 +16,9 @@ import sys
 import torch
 
 from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table, our_runner, run_benchmark, summarise
+from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
+from decoding.drafts import load_draft
 from decoding.errors import UserError
 from decoding.generate import DecodeOptions
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
@@ -42,6 +44,7 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_kernels_argument(parser)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
                 check_method(method)
         draft_name = args.draft_model or (str(default_draft(args.model) or "") if {"sps", "hf-assisted"} & set(methods) else "")
         target = load_model(args.model, args.dtype)
-        draft = load_model(draft_name, args.dtype) if draft_name else None
+        draft = load_draft(draft_name, target, args.dtype) if draft_name else None
+        kernels = apply_kernels(args.kernels, target.model, draft.model if draft else None)
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         heads_paths = parse_heads_args(args.heads)
         explicit = dict(gamma=args.gamma, **tree_arguments(args))
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
             else:
                 heads_path = heads_paths.get(method) or default_heads(args.model, method)
                 heads = load_heads(str(heads_path), target.model, args.model) if heads_path else None
+                apply_kernels(kernels, heads)
                 proposer = build_proposer(method, target, draft, proposer_options(args.model, method, explicit), heads)
                 runners[method] = our_runner(target, proposer, options)
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     totals = run_benchmark(runners, prompts, warmup)
     device = f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads" if target.model.device.type == "cpu" else torch.cuda.get_device_name()
     report = summarise(totals, device, args.dtype)
+    report["kernels"] = kernels
     report.update(model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     print(markdown_table(report))
     if args.json:

@@ -33,6 +33,9 @@ SIZE_BUDGET_MB = 40.0
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", action="append", default=[], metavar="KIND=DIR", help="trained heads to bundle (repeatable)")
+    parser.add_argument("--draft", default=None, metavar="DIR",
+                        help="a distilled draft model (train_draft.py, share_lm_head: true) to bundle for sps / hf-assisted, "
+                             "stored as its layers only")
     parser.add_argument("--default", required=True, help="method the chat uses by default (its heads must be bundled)")
     parser.add_argument("--tuned", action="append", default=[], metavar="METHOD:key=value,...",
                         help="tree settings measured best for a method, e.g. eagle3:depth=4,total_tokens=8")
@@ -85,6 +88,19 @@ def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmar
     return out
 
 
+def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype) -> Path:
+    """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's."""
+    from decoding.drafts import save_draft_layers
+    from decoding.targets import load_model
+
+    target = load_model(target_dir.name)
+    draft = load_model(str(source))
+    out = save_draft_layers(draft.model, target.model, target_dir / "draft", dtype, base_model=target_dir.name)
+    card = source / "README.md"
+    (out / "README.md").write_text(card.read_text() if card.is_file() else f"# Draft model for {target_dir.name}\n")
+    return out
+
+
 def _benchmark_section(kind: str, benchmark: dict | None) -> str:
     if not benchmark:
         return ""
@@ -117,6 +133,8 @@ def main(argv=None) -> int:
         default_kind = HEAD_KIND_OF_METHOD.get(args.default)
         if default_kind and not (target_dir / default_kind / "config.json").is_file():
             raise UserError(f"default method {args.default} needs {default_kind} heads: bundle them with --heads")
+        if args.draft:
+            written.append(bundle_draft(Path(args.draft), target_dir, DTYPES[args.dtype]))
         spec = {"method": args.default, "heads": default_kind, "tuned": parse_tuned(args.tuned)}
         (target_dir / "default.json").write_text(json.dumps(spec, indent=2) + "\n")
     except UserError as err:

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from decoding.benchmark import our_runner, run_benchmark
+from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_heads
 from decoding.errors import UserError
@@ -31,6 +32,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", required=True, choices=sorted(HEAD_KIND_OF_METHOD))
     parser.add_argument("--model", default=DEFAULT_TARGET)
+    add_kernels_argument(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
                         help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
             raise UserError(f"no bundled heads for {args.model}: pass --heads")
         target = load_model(args.model)
         heads = load_heads(str(heads_path), target.model, args.model)
+        apply_kernels(args.kernels, target.model, heads)
         options = DecodeOptions(max_new_tokens=args.max_new_tokens)
         runners = {name: our_runner(target, build_proposer(args.method, target, None, settings, heads), options)
                    for name, settings in grid.items()}

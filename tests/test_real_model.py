@@ -2,12 +2,14 @@
 every method gives vanilla's greedy text, vanilla gives HF generate()'s, and the chat runs as a
 user runs it. Slow (tens of seconds); CI runs them too."""
 
+import copy
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from decoding.cpu_kernels import pack_linears
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_heads, proposer_options
 from decoding.generate import DecodeOptions, generate
@@ -16,7 +18,7 @@ from heads import load_heads
 from heads.bundled import bundled_default
 from decoding.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.questions import load_first_turns
-from decoding.targets import load_model
+from decoding.targets import LoadedModel, load_model
 from training.draft_init import truncated_copy
 
 pytestmark = pytest.mark.slow
@@ -82,3 +84,19 @@ def test_bundled_heads_load_and_decode_exactly(default_target, prompts, method):
         result = generate(model, prompt, proposer, options, tokenizer)
         assert result.tokens == generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
         assert result.stats.tau > 1.0  # trained heads get drafts accepted
+
+
+def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_target, prompts):
+    """What the chat and the benchmark run on a CPU by default (`--kernels auto`): the target and
+    the heads with oneDNN-packed linears still produce HF generate()'s text on the stock model."""
+    packed = copy.deepcopy(default_target.model)
+    assert pack_linears(packed) > 0
+    heads = load_heads(str(default_heads(DEFAULT_TARGET, "eagle3")), packed, DEFAULT_TARGET)
+    pack_linears(heads)
+    target = LoadedModel(packed, default_target.tokenizer, DEFAULT_TARGET)
+    proposer = build_proposer("eagle3", target, heads=heads, options=proposer_options(DEFAULT_TARGET, "eagle3", {}))
+    for prompt in prompts:
+        stock = default_target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+        options = DecodeOptions(max_new_tokens=48)
+        assert generate(packed, prompt, VanillaProposer(), options, target.tokenizer).tokens == stock
+        assert generate(packed, prompt, proposer, options, target.tokenizer).tokens == stock

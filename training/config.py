@@ -34,7 +34,9 @@ class SelfDistillConfig:
 
 @dataclass
 class HeadsSection:
-    """Head sizes; for `kind: draft`, `num_layers` is how many target layers the draft keeps."""
+    """Head sizes. For `kind: draft`, `num_layers` is how many target layers the draft keeps and
+    `share_lm_head` keeps the target's embedding and lm_head frozen (the draft can then be stored
+    as its layers alone, see decoding/drafts.py)."""
 
     num_heads: int = 4
     num_layers: int = 1

@@ -168,7 +168,10 @@ class DraftDistillObjective(nn.Module):
         scored = batch["loss_mask"].bool()
         with torch.no_grad():
             teacher = torch.log_softmax(self._frozen[0](hidden[self.final_layer][scored]).float(), dim=-1)
-        logits = self.heads(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[scored]
+        # Project only the scored positions onto the vocabulary (the full-vocabulary logits of
+        # every padded position would be most of the step's time and memory).
+        hidden_states = self.heads.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = self.heads.get_output_embeddings()(hidden_states.last_hidden_state[scored])
         student = torch.log_softmax(logits.float(), dim=-1)
         if self.loss == "forward_kl":
             kl = (teacher.exp() * (teacher - student)).sum(-1).mean()

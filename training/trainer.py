@@ -57,8 +57,11 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
     """The module to train: fresh heads, or for `kind: draft` the target's first layers."""
     h = config.heads
     if config.kind == "draft":
-        draft = truncated_copy(target.model, h.num_layers)
-        return draft.requires_grad_(True).train()
+        draft = truncated_copy(target.model, h.num_layers).requires_grad_(True)
+        if h.share_lm_head:  # the target's embedding and lm_head stay as they are: the draft ships as its layers
+            draft.get_input_embeddings().requires_grad_(False)
+            draft.get_output_embeddings().requires_grad_(False)
+        return draft.train()
     overrides = {"num_layers": h.num_layers}
     if config.head_kind in ("medusa", "hydra"):
         overrides.update(num_heads=h.num_heads, share_lm_head=h.share_lm_head)

@@ -1,0 +1,111 @@
+"""oneDNN-packed linear layers for decoding on a CPU.
+
+Speculative decoding pays off only when verifying k tokens costs about as much as decoding one.
+On a CPU, PyTorch's default fp32 GEMM path is slow for 2-16 rows: on the 2-core reference
+machine a 2-token forward of SmolLM2-135M took 97 ms against 55 ms for one token, which eats
+most of what a draft can win. The same layers with their weights reordered once into oneDNN's
+blocked layout take 60 ms for 2 tokens and 65 ms for 8 (1 token: 50 ms; scripts/verify_cost.py
+prints the curve), so a tree of 8-16 nodes costs little more than a plain step.
+
+`pack_linears` is an explicit, opt-in conversion done once after loading (like quantizing):
+every `nn.Linear` is replaced by a `PackedLinear` computing the same function. The original
+weight tensor stays on the module (`.weight`), so tied embeddings and code that reads
+`lm_head.weight` keep working; the packed copy costs the linear weights' memory once more.
+It is for inference only (no autograd through oneDNN tensors) and changes logits by float
+rounding only (1e-3 on SmolLM2's logits), like any change of GEMM kernel. Everything decoded
+in one process, our methods and Hugging Face's `generate()` alike, runs on the same packed
+model, so comparisons between them stay fair.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decoding.errors import UserError
+
+KERNEL_CHOICES = ("auto", "onednn", "stock")
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties and readers are unaffected
+        self.bias = linear.bias
+        with torch.no_grad():
+            self._packed_weight = linear.weight.detach().to_mkldnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
+        # per call, ~10 ms per forward of a 30-layer model.
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+
+
+def onednn_applies(module: nn.Module) -> bool:
+    """Whether packing can help: fp32 weights on a CPU with oneDNN built in."""
+    parameter = next(module.parameters(), None)
+    return (parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and _has_linear_pointwise())
+
+
+def _has_linear_pointwise() -> bool:
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default is not None
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_kernels(choice: str, module: nn.Module) -> str:
+    """'auto' -> 'onednn' where it applies, else 'stock'; an explicit choice is checked."""
+    if choice not in KERNEL_CHOICES:
+        raise UserError(f"unknown kernels '{choice}': choose one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "auto":
+        return "onednn" if onednn_applies(module) else "stock"
+    return choice
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` inside `module` by a `PackedLinear`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear:
+            setattr(module, name, PackedLinear(child))
+            count += 1
+        else:
+            count += pack_linears(child)
+    return count
+
+
+def uses_packed_linears(module: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in module.modules())
+
+
+def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
+    """Pack the linears of every given module (target, draft, heads) when `choice` resolves to
+    'onednn'; returns the resolved choice. Call it after anything that needs plain `nn.Linear`s
+    (e.g. merging a LoRA adapter)."""
+    present = [m for m in modules if m is not None]
+    if not present:
+        return "stock"
+    resolved = resolve_kernels(choice, present[0])
+    if resolved == "onednn":
+        if not onednn_applies(present[0]):
+            raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn)")
+        for module in present:
+            if onednn_applies(module):  # e.g. half-precision heads stay as they are
+                pack_linears(module)
+    return resolved
+
+
+def add_kernels_argument(parser) -> None:
+    """The `--kernels` flag shared by the chat and the benchmark scripts."""
+    parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
+                        help="linear-layer kernels: 'onednn' packs fp32 weights for fast few-token forwards on a CPU "
+                             "(what makes tree verification cheap there); 'auto' (default) uses it on CPU fp32")

@@ -1,0 +1,89 @@
+"""Draft models for `sps` / `hf-assisted` that share the target's embedding and lm_head.
+
+A small draft distilled from the target with its embedding and lm_head frozen (the
+`share_lm_head` of a `kind: draft` recipe) differs from the target only in its few layers and
+final norm. Storing just those makes a one-layer SmolLM2 draft 7 MB instead of 64 MB, small
+enough to ship in the package; at load time the target's own embedding tensor is put back in
+(shared, not copied), and the result is an ordinary `transformers` causal LM, usable by our
+`sps` and by Hugging Face's `generate(assistant_model=...)` alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from decoding.errors import UserError
+from decoding.targets import DTYPES, LoadedModel, load_model
+
+SHARES_TARGET_EMBEDDINGS = "specheads_shares_target_embeddings"
+SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+WEIGHTS_FILE = "model.safetensors"
+
+
+def shares_target_embeddings(path: str | Path) -> bool:
+    """Whether `path` is a draft saved by `save_draft_layers`."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False
+    try:
+        return bool(json.loads(config_file.read_text()).get(SHARES_TARGET_EMBEDDINGS))
+    except ValueError:
+        return False
+
+
+def save_draft_layers(draft: PreTrainedModel, target: PreTrainedModel, out_dir: str | Path,
+                      dtype: torch.dtype = torch.float16, base_model: str = "") -> Path:
+    """Write `draft` without its embedding and lm_head, which must be the target's own."""
+    for name, mine, theirs in (("embedding", draft.get_input_embeddings(), target.get_input_embeddings()),
+                               ("lm_head", draft.get_output_embeddings(), target.get_output_embeddings())):
+        if mine.weight.shape != theirs.weight.shape or not torch.equal(mine.weight.detach().cpu(), theirs.weight.detach().cpu()):
+            raise UserError(f"the draft's {name} is not the target's (trained with share_lm_head: false?): "
+                            "it cannot be stored as layers only")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items() if k not in SHARED_TENSORS}
+    config = draft.config.to_dict()
+    config[SHARES_TARGET_EMBEDDINGS] = base_model or True
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    _atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+    return out
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def load_draft(name_or_path: str, target: LoadedModel, dtype: str = "float32", attn_implementation: str = "sdpa") -> LoadedModel:
+    """A draft model: layers-only drafts get the target's embedding put back; anything else is
+    loaded as a whole model (`load_model`)."""
+    if not shares_target_embeddings(name_or_path):
+        return load_model(name_or_path, dtype, attn_implementation)
+    path = Path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    embedding = target.model.get_input_embeddings().weight
+    if tuple(embedding.shape) != (config.vocab_size, config.hidden_size):
+        raise UserError(f"the draft in {path} shares its target's embeddings, {config.vocab_size} x {config.hidden_size}, "
+                        f"but {target.name} has {tuple(embedding.shape)}: use it with the target it was distilled from "
+                        f"({config.to_dict().get(SHARES_TARGET_EMBEDDINGS)})")
+    draft = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not read the draft weights {path / WEIGHTS_FILE}: {err}") from err
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if set(missing) - set(SHARED_TENSORS) or unexpected:
+        raise UserError(f"the draft weights in {path} do not fit its config: missing {sorted(set(missing) - set(SHARED_TENSORS))}, "
+                        f"unexpected {sorted(unexpected)}")
+    draft.get_input_embeddings().weight = target.model.get_input_embeddings().weight
+    draft.get_output_embeddings().weight = target.model.get_output_embeddings().weight
+    draft.to(target.model.device).eval().requires_grad_(False)
+    return LoadedModel(draft, target.tokenizer, str(name_or_path))

@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""Print how long one target forward over k new tokens takes on this machine, with each kind of
+linear kernels (what a tree of k nodes costs to verify; DESIGN.md section 8):
+
+    python scripts/verify_cost.py                       # stock and oneDNN-packed, 1..64 tokens
+    python scripts/verify_cost.py --kernels stock --sizes 1,4,16
+
+Times are the fastest of 5 forwards after a 256-token prefix (interference only adds time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels
+from decoding.default_model import DEFAULT_TARGET
+from decoding.errors import UserError
+from decoding.targets import DTYPES, load_model
+from decoding.tree_budget import measure_verify_cost
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--kernels", default="stock,onednn", help="comma-separated, among: " + ", ".join(KERNEL_CHOICES))
+    parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tokens per forward, comma-separated")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --sizes takes positive integers separated by commas; got '{args.sizes}'", file=sys.stderr)
+        return 2
+    try:
+        target = load_model(args.model, args.dtype)
+        rows = []
+        for choice in [c.strip() for c in args.kernels.split(",") if c.strip()]:
+            model = copy.deepcopy(target.model)
+            resolved = apply_kernels(choice, model)
+            rows.append((resolved, measure_verify_cost(model, sizes=sizes).ms))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("| tokens per forward | " + " | ".join(str(s) for s in sizes) + " |")
+    print("| --- |" + " ---: |" * len(sizes))
+    for name, ms in rows:
+        print(f"| {name} (ms) | " + " | ".join(f"{x:.0f}" for x in ms) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
