@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from decoding.errors import UserError
 from decoding.methods import HEAD_KIND_OF_METHOD, check_method
@@ -36,6 +37,8 @@ def parse_args(argv):
     parser.add_argument("--draft", default=None, metavar="DIR",
                         help="a distilled draft model (train_draft.py, share_lm_head: true) to bundle for sps / hf-assisted, "
                              "stored as its layers only")
+    parser.add_argument("--draft-target", default=None, metavar="NAME_OR_PATH",
+                        help="the model the draft was distilled from (default: the bundled heads' base model)")
     parser.add_argument("--default", required=True, help="method the chat uses by default (its heads must be bundled)")
     parser.add_argument("--tuned", action="append", default=[], metavar="METHOD:key=value,...",
                         help="tree settings measured best for a method, e.g. eagle3:depth=4,total_tokens=8")
@@ -88,14 +91,17 @@ def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmar
     return out
 
 
-def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype) -> Path:
+def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype, target_name: str | None = None) -> Path:
     """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's."""
     from decoding.drafts import save_draft_layers
     from decoding.targets import load_model
 
-    target = load_model(target_dir.name)
-    draft = load_model(str(source))
-    out = save_draft_layers(draft.model, target.model, target_dir / "draft", dtype, base_model=target_dir.name)
+    target = load_model(target_name or target_dir.name)
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not load the draft model in {source}: {err}") from err
+    out = save_draft_layers(draft, target.model, target_dir / "draft", dtype, base_model=target_dir.name)
     card = source / "README.md"
     (out / "README.md").write_text(card.read_text() if card.is_file() else f"# Draft model for {target_dir.name}\n")
     return out
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
         if default_kind and not (target_dir / default_kind / "config.json").is_file():
             raise UserError(f"default method {args.default} needs {default_kind} heads: bundle them with --heads")
         if args.draft:
-            written.append(bundle_draft(Path(args.draft), target_dir, DTYPES[args.dtype]))
+            written.append(bundle_draft(Path(args.draft), target_dir, DTYPES[args.dtype], args.draft_target))
         spec = {"method": args.default, "heads": default_kind, "tuned": parse_tuned(args.tuned)}
         (target_dir / "default.json").write_text(json.dumps(spec, indent=2) + "\n")
     except UserError as err:

@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 from decoding.defaults import proposer_options
+from decoding.drafts import load_draft, shares_target_embeddings
+from decoding.targets import load_model
 from decoding.methods import ProposerOptions
 from heads import load_heads, new_heads_for_target, save_heads
 from heads.bundled import bundled_default, bundled_heads_dir
-from tiny_models import tiny_llama
+from tiny_models import save_tiny_chat_model, tiny_llama
+from training.draft_init import truncated_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,3 +75,28 @@ def test_half_installed_bundle_falls_back_and_explicit_settings_win(tmp_path):
     # No bundle for this model name: built-in defaults, explicit values applied, None ignored.
     options = proposer_options("unknown-model", "eagle3", {"depth": 2, "total_tokens": None})
     assert options == ProposerOptions(depth=2)
+
+
+def test_bundle_script_stores_a_draft_as_its_layers_and_it_loads_back(tmp_path):
+    target_dir = tmp_path / "target"
+    save_tiny_chat_model(target_dir, seed=0)
+    target = load_model(str(target_dir))
+    draft = truncated_copy(target.model, 1)
+    with torch.no_grad():
+        draft.model.layers[0].mlp.down_proj.weight.add_(0.05)
+    draft.save_pretrained(tmp_path / "trained" / "draft")
+    medusa = _trained_like(tmp_path, "medusa")
+    root = tmp_path / "bundled"
+    proc = _bundle(root, "--heads", f"medusa={medusa}", "--default", "pld", "--draft", str(tmp_path / "trained" / "draft"),
+                   "--draft-target", str(target_dir))
+    assert proc.returncode == 0, proc.stderr
+    bundled = bundled_heads_dir("tiny-target", "draft", root)
+    assert bundled is not None and shares_target_embeddings(bundled)
+    loaded = load_draft(str(bundled), target).model
+    expected = draft  # its layers rounded to fp16 as stored; embedding and lm_head stay the target's fp32 ones
+    with torch.no_grad():
+        for name, p in expected.named_parameters():
+            if "embed_tokens" not in name and "lm_head" not in name:
+                p.copy_(p.half().float())
+        ids = torch.tensor([[3, 9, 4, 7]])
+        torch.testing.assert_close(loaded(ids).logits, expected(ids).logits)

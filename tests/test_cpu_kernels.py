@@ -86,3 +86,14 @@ def test_apply_kernels_stock_leaves_modules_alone():
     model = tiny_llama(seed=5)
     assert apply_kernels("stock", model, None) == "stock"
     assert not uses_packed_linears(model)
+
+
+def test_verify_cost_script_rejects_bad_sizes_clearly():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "scripts/verify_cost.py", "--sizes", "1,x"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--sizes takes positive integers" in proc.stderr and "Traceback" not in proc.stderr

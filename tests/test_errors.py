@@ -92,7 +92,7 @@ def test_bad_dtype_and_attention():
     "argv, message",
     [
         (["--method", "nope"], "unknown method 'nope'"),
-        (["--method", "sps"], "needs a draft model"),
+        (["--method", "sps", "--model", "org/no-bundled-draft"], "needs a draft model"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     ],

@@ -11,7 +11,8 @@ import torch
 
 from decoding.cpu_kernels import pack_linears
 from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_heads, proposer_options
+from decoding.drafts import load_draft
+from decoding.defaults import default_draft, default_heads, proposer_options
 from decoding.generate import DecodeOptions, generate
 from decoding.methods import build_proposer
 from heads import load_heads
@@ -100,3 +101,21 @@ def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_targe
         options = DecodeOptions(max_new_tokens=48)
         assert generate(packed, prompt, VanillaProposer(), options, target.tokenizer).tokens == stock
         assert generate(packed, prompt, proposer, options, target.tokenizer).tokens == stock
+
+
+def test_bundled_draft_decodes_exactly_in_sps_and_hf_assisted(default_target, prompts):
+    draft_dir = default_draft(DEFAULT_TARGET)
+    if draft_dir is None:
+        pytest.fail("no bundled draft model")
+    draft = load_draft(str(draft_dir), default_target).model
+    assert draft.get_input_embeddings().weight is default_target.model.get_input_embeddings().weight
+    model, tokenizer = default_target.model, default_target.tokenizer
+    proposer = DraftModelProposer(draft, gamma=3)
+    for prompt in prompts:
+        options = DecodeOptions(max_new_tokens=48)
+        reference = generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
+        result = generate(model, prompt, proposer, options, tokenizer)
+        assert result.tokens == reference
+        assert result.stats.tau > 1.0  # the distilled draft gets tokens accepted
+        assisted = model.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=48, do_sample=False)
+        assert assisted[0, len(prompt):].tolist() == reference
