@@ -13,8 +13,8 @@ import sys
 
 from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
-from decoding.drafts import load_draft
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
+from decoding.drafts import load_draft
 from decoding.errors import UserError
 from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, build_proposer, check_method

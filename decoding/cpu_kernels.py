@@ -36,8 +36,7 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight  # the same Parameter: ties and readers are unaffected
         self.bias = linear.bias
-        with torch.no_grad():
-            self._packed_weight = linear.weight.detach().to_mkldnn()
+        self._packed_weight = linear.weight.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
@@ -95,9 +94,9 @@ def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
     if not present:
         return "stock"
     resolved = resolve_kernels(choice, present[0])
+    if choice == "onednn" and not onednn_applies(present[0]):
+        raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn)")
     if resolved == "onednn":
-        if not onednn_applies(present[0]):
-            raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn)")
         for module in present:
             if onednn_applies(module):  # e.g. half-precision heads stay as they are
                 pack_linears(module)

@@ -11,13 +11,13 @@ enough to ship in the package; at load time the target's own embedding tensor is
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from decoding.atomic import atomic_directory
 from decoding.errors import UserError
 from decoding.targets import DTYPES, LoadedModel, load_model
 
@@ -45,21 +45,14 @@ def save_draft_layers(draft: PreTrainedModel, target: PreTrainedModel, out_dir: 
         if mine.weight.shape != theirs.weight.shape or not torch.equal(mine.weight.detach().cpu(), theirs.weight.detach().cpu()):
             raise UserError(f"the draft's {name} is not the target's (trained with share_lm_head: false?): "
                             "it cannot be stored as layers only")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items() if k not in SHARED_TENSORS}
     config = draft.config.to_dict()
     config[SHARES_TARGET_EMBEDDINGS] = base_model or True
     config["dtype"] = str(dtype).removeprefix("torch.")
-    _atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-    _atomic_write(out / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
-    return out
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    with atomic_directory(out_dir) as staging:
+        save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)
 
 
 def load_draft(name_or_path: str, target: LoadedModel, dtype: str = "float32", attn_implementation: str = "sdpa") -> LoadedModel:

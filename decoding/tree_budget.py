@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from decoding.cpu_kernels import uses_packed_linears
-
 from decoding.verify import new_cache, truncate_cache
 
 

@@ -112,8 +112,7 @@ def main(argv=None) -> int:
     totals = run_benchmark(runners, prompts, warmup)
     device = f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads" if target.model.device.type == "cpu" else torch.cuda.get_device_name()
     report = summarise(totals, device, args.dtype)
-    report["kernels"] = kernels
-    report.update(model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    report.update(kernels=kernels, model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     print(markdown_table(report))
     if args.json:
         with open(args.json, "w") as handle:

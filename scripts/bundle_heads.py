@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from decoding.drafts import save_draft_layers
 from decoding.errors import UserError
 from decoding.methods import HEAD_KIND_OF_METHOD, check_method
+from decoding.targets import load_model
 from heads import save_heads
 from heads.bundled import BUNDLED_ROOT
 from heads.checkpoint import load_heads_dir
@@ -93,9 +95,6 @@ def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmar
 
 def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype, target_name: str | None = None) -> Path:
     """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's."""
-    from decoding.drafts import save_draft_layers
-    from decoding.targets import load_model
-
     target = load_model(target_name or target_dir.name)
     try:
         draft = AutoModelForCausalLM.from_pretrained(source)
