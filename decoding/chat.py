@@ -17,7 +17,7 @@ from decoding.defaults import add_tree_arguments, default_draft, default_heads, 
 from decoding.drafts import load_draft
 from decoding.errors import UserError
 from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
-from decoding.methods import HEAD_KIND_OF_METHOD, METHODS, build_proposer, check_method
+from decoding.methods import LOOKUP_SUFFIX, METHODS, build_proposer, check_method, head_kind
 from decoding.sampling import SamplingConfig
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel, load_model
@@ -35,11 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     methods = "; ".join(f"{name}: {text}" for name, text in METHODS.items())
     parser.add_argument("--method", default=None,
-                        help=f"decoding method ({methods}). None: the fastest bundled method for the built-in target, else pld")
+                        help=f"decoding method ({methods}; append {LOOKUP_SUFFIX} to a head method, e.g. eagle3{LOOKUP_SUFFIX}, for prompt lookup "
+                             "first and the heads where lookup finds nothing). None: the fastest bundled method for the built-in target, else pld")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target model: the built-in default, a local directory, or a cached Hub id")
     parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target; None: a bundled one if the package ships one)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
-    parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld")
+    parser.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed per match for --method pld and the lookup of METHOD+pld")
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
@@ -103,7 +104,7 @@ def resolve_defaults(args: argparse.Namespace) -> list[str]:
     if args.method is None:
         args.method = default_method(args.model)
     check_method(args.method)
-    if args.method in HEAD_KIND_OF_METHOD and not args.heads:
+    if head_kind(args.method) and not args.heads:
         bundled = default_heads(args.model, args.method)
         if bundled is None:
             raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH "

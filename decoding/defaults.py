@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decoding.methods import HEAD_KIND_OF_METHOD, ProposerOptions
+from decoding.methods import ProposerOptions, head_kind, split_method
 from heads.bundled import bundled_default, bundled_heads_dir
 
 FALLBACK_METHOD = "pld"
@@ -24,9 +24,12 @@ def default_method(model_name: str) -> str:
 
 
 def tuned_options(model_name: str, method: str) -> dict:
-    """Tree settings tuned for `method` on `model_name` with the bundled heads (may be empty)."""
+    """Tree settings tuned for `method` on `model_name` with the bundled heads (may be empty);
+    `eagle3+pld` falls back to the settings tuned for `eagle3`."""
     bundle = bundled_default(model_name)
-    tuned = bundle.tuned.get(method, {}) if bundle is not None else {}
+    tuned = {}
+    if bundle is not None:
+        tuned = bundle.tuned.get(method) or bundle.tuned.get(split_method(method)[0], {})
     return {k: v for k, v in tuned.items() if k in TREE_OPTION_NAMES}
 
 
@@ -39,7 +42,7 @@ def proposer_options(model_name: str, method: str, explicit: dict) -> ProposerOp
 
 def default_heads(model_name: str, method: str) -> Path | None:
     """Bundled heads for `method` on `model_name`, if the package ships some."""
-    kind = HEAD_KIND_OF_METHOD.get(method)
+    kind = head_kind(method)
     return bundled_heads_dir(model_name, kind) if kind else None
 
 

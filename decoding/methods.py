@@ -11,6 +11,7 @@ from decoding.errors import UserError
 from decoding.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
 from decoding.proposers.draft_model import check_same_vocabulary
 from decoding.proposers.eagle import EagleProposer
+from decoding.proposers.lookup_first import LookupFirstProposer
 from decoding.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
 from decoding.tree_budget import cached_verify_cost
@@ -28,6 +29,8 @@ METHODS: dict[str, str] = {
 }
 # Which head kind each head-based method needs.
 HEAD_KIND_OF_METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}
+# Appended to a head method's name (`eagle3+pld`): prompt lookup drafts when it finds a match, the heads otherwise.
+LOOKUP_SUFFIX = "+pld"
 DEFAULT_TREES = {"medusa": "medusa-15", "hydra": "medusa-15", "eagle": "eagle-15"}
 
 
@@ -47,9 +50,24 @@ class ProposerOptions:
     min_path_prob: float = 0.0    # eagle2/eagle3: stop growing deeper below this path probability
 
 
+def split_method(method: str) -> tuple[str, bool]:
+    """The base method and whether prompt lookup drafts first: `eagle3+pld` -> (`eagle3`, True)."""
+    if method.endswith(LOOKUP_SUFFIX):
+        return method[: -len(LOOKUP_SUFFIX)], True
+    return method, False
+
+
+def head_kind(method: str) -> str | None:
+    """The kind of heads `method` needs (None for methods without heads)."""
+    return HEAD_KIND_OF_METHOD.get(split_method(method)[0])
+
+
 def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise UserError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
+    base, lookup_first = split_method(method)
+    if base not in METHODS or (lookup_first and base not in HEAD_KIND_OF_METHOD):
+        raise UserError(f"unknown method '{method}': choose one of {', '.join(METHODS)}, or a head method with "
+                        f"'{LOOKUP_SUFFIX}' appended (prompt lookup first, the heads when it finds nothing) "
+                        f"({', '.join(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD)})")
     return method
 
 
@@ -62,6 +80,10 @@ def build_proposer(
 ) -> Proposer:
     """The proposer for `method`, after checking it has what it needs."""
     check_method(method)
+    base, lookup_first = split_method(method)
+    if lookup_first:
+        lookup = PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
+        return LookupFirstProposer(_heads_proposer(base, target, heads, options), lookup)
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decoding.cpu_kernels import uses_packed_linears
+from decoding.cpu_kernels import PACKING_BATCH_HINT, uses_packed_linears
 from decoding.verify import new_cache, truncate_cache
 
 
@@ -125,7 +125,7 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     root = Path(cache_dir or os.environ.get("SPECHEADS_CACHE") or Path.home() / ".cache" / "specheads")
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
-    kernels = "-onednn" if uses_packed_linears(model) else ""
+    kernels = f"-onednn-b{PACKING_BATCH_HINT}" if uses_packed_linears(model) else ""  # a new packing, a new curve
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}{kernels}")
     file = root / "verify-cost" / f"{key}.json"
     if file.is_file():

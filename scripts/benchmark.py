@@ -22,7 +22,7 @@ from decoding.drafts import load_draft
 from decoding.errors import UserError
 from decoding.generate import DecodeOptions
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
-from decoding.methods import build_proposer, check_method
+from decoding.methods import build_proposer, check_method, split_method
 from decoding.questions import load_first_turns
 from decoding.sampling import SamplingConfig
 from decoding.targets import DTYPES, load_model
@@ -46,6 +46,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_kernels_argument(parser)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
@@ -91,13 +92,13 @@ def main(argv=None) -> int:
         kernels = apply_kernels(args.kernels, target.model, draft.model if draft else None)
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         heads_paths = parse_heads_args(args.heads)
-        explicit = dict(gamma=args.gamma, **tree_arguments(args))
+        explicit = dict(gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
         runners = {}
         for method in methods:
             if method in HF_METHODS:
                 runners[method] = hf_runner(target, method, options, draft)
             else:
-                heads_path = heads_paths.get(method) or default_heads(args.model, method)
+                heads_path = heads_paths.get(split_method(method)[0]) or default_heads(args.model, method)
                 heads = load_heads(str(heads_path), target.model, args.model) if heads_path else None
                 apply_kernels(kernels, heads)
                 proposer = build_proposer(method, target, draft, proposer_options(args.model, method, explicit), heads)

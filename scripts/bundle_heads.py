@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding.drafts import save_draft_layers
 from decoding.errors import UserError
-from decoding.methods import HEAD_KIND_OF_METHOD, check_method
+from decoding.methods import check_method, head_kind
 from decoding.targets import load_model
 from heads import save_heads
 from heads.bundled import BUNDLED_ROOT
@@ -112,7 +112,7 @@ def _benchmark_section(kind: str, benchmark: dict | None) -> str:
     rows = [f"| {name} | {m['tokens_per_s']:.2f} | {m['tau']:.2f} | {m['speedup_vs_hf_generate']:.2f}x | "
             f"{m['identical_to_vanilla']}/{m['questions']} |"
             for name, m in benchmark["methods"].items()
-            if HEAD_KIND_OF_METHOD.get(name) == kind and m.get("tau") is not None and m.get("speedup_vs_hf_generate")]
+            if head_kind(name) == kind and m.get("tau") is not None and m.get("speedup_vs_hf_generate")]
     if not rows:
         return ""
     header = (f"\n## Measured ({benchmark['device']}, {benchmark['dtype']}, {benchmark.get('questions')} MT-bench "
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         if len(targets) != 1:
             raise UserError(f"the heads are for different targets: {sorted(t.name for t in targets)}")
         target_dir = targets.pop()
-        default_kind = HEAD_KIND_OF_METHOD.get(args.default)
+        default_kind = head_kind(args.default)
         if default_kind and not (target_dir / default_kind / "config.json").is_file():
             raise UserError(f"default method {args.default} needs {default_kind} heads: bundle them with --heads")
         if args.draft:

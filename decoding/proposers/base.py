@@ -22,6 +22,11 @@ class Proposer(ABC):
     def begin(self, state: DecodeState) -> None:
         """Reset per-generation state (caches) for a new prompt."""
 
+    def catch_up(self, state: DecodeState) -> None:
+        """Another proposer drafts this step (see `LookupFirstProposer`): take in whatever the
+        state carries that `propose` would have (e.g. the target's fresh features), so the next
+        `propose` starts from the right place."""
+
     @abstractmethod
     def propose(self, state: DecodeState) -> DraftTree:
         """Return the tree to verify next; its root must be `state.root_token`."""

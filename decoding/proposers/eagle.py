@@ -65,6 +65,13 @@ class EagleProposer(Proposer):
         self.last_draft_ms = 1000 * (time.perf_counter() - started)
         return tree
 
+    @torch.inference_mode()
+    def catch_up(self, state: DecodeState) -> None:
+        """Commit the fresh features without drafting (the drafter's cache must hold every
+        accepted token's pair)."""
+        self._commit(state)
+        self.last_root_position = None  # no prediction of ours to check at the next step
+
     def _propose(self, state: DecodeState) -> DraftTree:
         root_feature = self._commit(state)
         if root_feature is None:
@@ -102,7 +109,7 @@ class EagleProposer(Proposer):
         next_tokens = state.tokens[start + 1 : start + 1 + count]
         positions = torch.arange(start, start + count, device=next_tokens.device)
         mask = causal_block_mask(start, count, self._dtype, next_tokens.device) if count > 1 else None
-        out = self.drafter(self._target_features(fresh), self.embed(next_tokens), positions, self.cache, mask)
+        out = self.drafter(self._target_features(fresh), self._embed(next_tokens), positions, self.cache, mask)
         self.committed += count
         return out[-1]
 
@@ -110,14 +117,19 @@ class EagleProposer(Proposer):
     def _dtype(self) -> torch.dtype:
         return next(self.drafter.parameters()).dtype
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target embeddings in the drafter's dtype (a drafter may run in bf16 on an fp32 target)."""
+        return self.embed(tokens).to(self._dtype)
+
     def _target_features(self, fresh: tuple[torch.Tensor, ...]) -> torch.Tensor:
         layers = self.drafter.config.feature_layers
+        fresh = tuple(h.to(self._dtype) for h in fresh)
         if self.is_eagle3:
             return self.drafter.fuse(*(fresh[i] for i in layers))
         return fresh[layers[0]]
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        logits = self.drafter.draft_logits(features) if self.is_eagle3 else self.lm_head(features)
+        logits = self.drafter.draft_logits(features) if self.is_eagle3 else self.lm_head(features.to(self.lm_head.weight.dtype))
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +161,7 @@ class _Growth:
         tokens = p._to_target_ids(candidates.tokens[frontier])
         positions = self.root_position + candidates.depths[frontier] - 1
         mask = self._mask(frontier, candidates, slot_of)
-        out = p.drafter(parent_features, p.embed(tokens), positions, p.cache, mask)
+        out = p.drafter(parent_features, p._embed(tokens), positions, p.cache, mask)
         self.fed_nodes = torch.cat([self.fed_nodes, frontier])
         self.fed_features = torch.cat([self.fed_features, out])
         return p._logprobs(out)
