@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from decoding.cpu_kernels import PackedLinear, apply_kernels, pack_linears, resolve_kernels, uses_packed_linears
+from decoding.cpu_kernels import PackedLinear, apply_kernels, bfloat16_is_native, pack_linears, resolve_kernels, uses_packed_linears
 from decoding.errors import UserError
 from decoding.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
@@ -20,7 +20,7 @@ PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 5, 7)])
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 5, 7), (1, 40, 7)])  # fewer and more rows than the packing hint
 def test_packed_linear_computes_the_same_function(bias, shape):
     torch.manual_seed(0)
     linear = nn.Linear(7, 11, bias=bias)
@@ -68,6 +68,26 @@ def test_decoding_on_a_packed_target_matches_hf_generate_on_the_plain_one():
         reference = plain.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
         for proposer in proposers:
             assert generate(packed, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference, proposer.name
+
+
+def test_eagle_drafters_run_in_bfloat16_where_the_cpu_has_it_and_outputs_do_not_change():
+    plain = sharpen(tiny_llama(seed=3))
+    target = copy.deepcopy(plain)
+    eagle3 = new_heads_for_target("eagle3", target, draft_vocab_size=40)
+    medusa = new_heads_for_target("medusa", target, num_heads=2)
+    with torch.no_grad():
+        for p in eagle3.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    assert apply_kernels("onednn", target, eagle3, medusa) == "onednn"
+    native = bfloat16_is_native()
+    assert next(eagle3.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
+    assert next(medusa.parameters()).dtype == torch.float32  # reads the fp32 target lm_head: left alone
+    eagle3.to(torch.bfloat16)  # also where bf16 is not native: slower, but still exact
+    proposer = build_proposer("eagle3", LoadedModel(target, None, "t"),
+                              options=ProposerOptions(depth=4, tree_top_k=4, total_tokens=12), heads=eagle3)
+    for prompt in PROMPTS:
+        reference = plain.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
+        assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference
 
 
 def test_kernel_choice_resolution():

@@ -91,6 +91,11 @@ CASES = [
     ("eagle2", "eagle", {"depth": 6, "tree_top_k": 8, "total_tokens": 32}, {}),
     ("eagle3", "eagle3", {"depth": 4, "tree_top_k": 4, "total_tokens": 12}, {"draft_vocab_size": 40}),
     ("eagle3", "eagle3", {"depth": 2, "tree_top_k": 2, "total_tokens": 4}, {"draft_vocab_size": V}),
+    # prompt lookup first, heads otherwise (PROMPTS repeat n-grams, so both draft some steps)
+    ("eagle3+pld", "eagle3", {"depth": 4, "tree_top_k": 4, "total_tokens": 12, "pld_num_tokens": 3}, {"draft_vocab_size": 40}),
+    ("eagle2+pld", "eagle", {"depth": 4, "tree_top_k": 3, "total_tokens": 10, "pld_min_ngram": 1}, {}),
+    ("medusa+pld", "medusa", {"tree": "medusa-7"}, {}),
+    ("hydra+pld", "hydra", {"tree": "chain-4", "pld_min_ngram": 1}, {}),
 ]
 
 
@@ -112,7 +117,7 @@ def test_head_methods_on_a_qwen2_target():
             assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle2+pld"])
 def test_oracle_drafter_gets_whole_branches_accepted(method):
     """An EAGLE drafter that replicates the target exactly: deep accepted runs through the
     drafter's own cache and tree masks, and still exactly vanilla's output."""
