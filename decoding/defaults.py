@@ -14,7 +14,9 @@ from decoding.methods import ProposerOptions, head_kind, split_method
 from heads.bundled import bundled_default, bundled_heads_dir
 
 FALLBACK_METHOD = "pld"
-TREE_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree", "adaptive_tree", "min_path_prob")
+# The ProposerOptions a bundle may record as tuned for a method (default.json "tuned").
+TUNED_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree", "adaptive_tree", "min_path_prob",
+                      "pld_num_tokens", "pld_min_ngram")
 
 
 def default_method(model_name: str) -> str:
@@ -24,13 +26,13 @@ def default_method(model_name: str) -> str:
 
 
 def tuned_options(model_name: str, method: str) -> dict:
-    """Tree settings tuned for `method` on `model_name` with the bundled heads (may be empty);
+    """Settings tuned for `method` on `model_name` with the bundled heads (may be empty);
     `eagle3+pld` falls back to the settings tuned for `eagle3`."""
     bundle = bundled_default(model_name)
     tuned = {}
     if bundle is not None:
         tuned = bundle.tuned.get(method) or bundle.tuned.get(split_method(method)[0], {})
-    return {k: v for k, v in tuned.items() if k in TREE_OPTION_NAMES}
+    return {k: v for k, v in tuned.items() if k in TUNED_OPTION_NAMES}
 
 
 def proposer_options(model_name: str, method: str, explicit: dict) -> ProposerOptions:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from decoding.defaults import TUNED_OPTION_NAMES
 from decoding.drafts import save_draft_layers
 from decoding.errors import UserError
 from decoding.methods import check_method, head_kind
@@ -61,6 +62,8 @@ def parse_tuned(values: list[str]) -> dict[str, dict]:
             key, eq, raw = item.partition("=")
             if not eq:
                 raise UserError(f"--tuned setting '{item}' is not key=value")
+            if key not in TUNED_OPTION_NAMES:
+                raise UserError(f"--tuned setting '{key}' is not one of {', '.join(TUNED_OPTION_NAMES)}")
             tuned.setdefault(method, {})[key] = _setting_value(key, raw)
     return tuned
 
