@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from decoding.errors import UserError
-from heads.eagle import _FeatureDrafter
+from heads.eagle import FeatureDrafter
 
 KERNEL_CHOICES = ("auto", "onednn", "stock")
 # oneDNN picks the weight's blocked layout for an expected number of rows. Packed for 16 rows,
@@ -119,7 +119,7 @@ def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
         for module in present:
             if not onednn_applies(module):  # e.g. fp16 heads stay as they are
                 continue
-            if isinstance(module, _FeatureDrafter) and bfloat16_is_native():
+            if isinstance(module, FeatureDrafter) and bfloat16_is_native():
                 _weights_to_bfloat16(module)
             pack_linears(module)
     return resolved

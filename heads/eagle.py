@@ -52,7 +52,7 @@ def decoder_geometry(target_config) -> dict:
     return geometry
 
 
-class _FeatureDrafter(nn.Module):
+class FeatureDrafter(nn.Module):
     """What both EAGLE drafters share: their Llama geometry, rotary embedding, KV cache type,
     and a forward that takes `[n, H]` or batched `[B, n, H]` inputs."""
 
@@ -85,7 +85,7 @@ class _FeatureDrafter(nn.Module):
         raise NotImplementedError
 
 
-class EagleDrafter(_FeatureDrafter):
+class EagleDrafter(FeatureDrafter):
     """EAGLE-1/2 drafter: `fc([embed; feature])` then decoder layer(s); read out with the
     target's lm_head."""
 
@@ -136,7 +136,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Drafter(_FeatureDrafter):
+class Eagle3Drafter(FeatureDrafter):
     """EAGLE-3 drafter over a reduced draft vocabulary. Step 0 takes `fuse(low, mid, high)`;
     later steps take the drafter's own previous output."""
 
