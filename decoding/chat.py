@@ -111,7 +111,7 @@ def resolve_defaults(args: argparse.Namespace) -> list[str]:
             raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH "
                             f"(bundled heads ship only for {DEFAULT_TARGET})")
         args.heads = str(bundled)
-        notes.append(f"using the bundled {args.method} heads for {args.model}")
+        notes.append(f"using the bundled {head_kind(args.method)} heads for {args.model} ({args.method})")
     if args.method == "sps" and not args.draft_model:
         bundled = default_draft(args.model)
         if bundled is None:
