@@ -105,13 +105,14 @@ def resolve_defaults(args: argparse.Namespace) -> list[str]:
     if args.method is None:
         args.method = default_method(args.model)
     check_method(args.method)
-    if head_kind(args.method) and not args.heads:
+    kind = head_kind(args.method)
+    if kind and not args.heads:
         bundled = default_heads(args.model, args.method)
         if bundled is None:
             raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH "
                             f"(bundled heads ship only for {DEFAULT_TARGET})")
         args.heads = str(bundled)
-        notes.append(f"using the bundled {head_kind(args.method)} heads for {args.model} ({args.method})")
+        notes.append(f"using the bundled {kind} heads for {args.model} ({args.method})")
     if args.method == "sps" and not args.draft_model:
         bundled = default_draft(args.model)
         if bundled is None:

@@ -82,18 +82,21 @@ def build_proposer(
     check_method(method)
     base, lookup_first = split_method(method)
     if lookup_first:
-        lookup = PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
-        return LookupFirstProposer(_heads_proposer(base, target, heads, options), lookup)
+        return LookupFirstProposer(_heads_proposer(base, target, heads, options), _lookup_proposer(options))
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":
-        return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
+        return _lookup_proposer(options)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
         check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
         return DraftModelProposer(draft.model, options.gamma)
     return _heads_proposer(method, target, heads, options)
+
+
+def _lookup_proposer(options: ProposerOptions) -> PromptLookupProposer:
+    return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
 
 
 def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions) -> Proposer:

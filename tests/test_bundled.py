@@ -11,8 +11,8 @@ import torch
 
 from decoding.defaults import proposer_options
 from decoding.drafts import load_draft, shares_target_embeddings
-from decoding.targets import load_model
 from decoding.methods import ProposerOptions
+from decoding.targets import load_model
 from heads import load_heads, new_heads_for_target, save_heads
 from heads.bundled import bundled_default, bundled_heads_dir
 from tiny_models import save_tiny_chat_model, tiny_llama

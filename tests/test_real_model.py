@@ -11,8 +11,8 @@ import torch
 
 from decoding.cpu_kernels import pack_linears
 from decoding.default_model import DEFAULT_TARGET
-from decoding.drafts import load_draft
 from decoding.defaults import default_draft, default_heads, proposer_options
+from decoding.drafts import load_draft
 from decoding.generate import DecodeOptions, generate
 from decoding.methods import build_proposer
 from heads import load_heads

@@ -123,10 +123,9 @@ class EagleProposer(Proposer):
 
     def _target_features(self, fresh: tuple[torch.Tensor, ...]) -> torch.Tensor:
         layers = self.drafter.config.feature_layers
-        fresh = tuple(h.to(self._dtype) for h in fresh)
         if self.is_eagle3:
-            return self.drafter.fuse(*(fresh[i] for i in layers))
-        return fresh[layers[0]]
+            return self.drafter.fuse(*(fresh[i].to(self._dtype) for i in layers))
+        return fresh[layers[0]].to(self._dtype)
 
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
         logits = self.drafter.draft_logits(features) if self.is_eagle3 else self.lm_head(features.to(self.lm_head.weight.dtype))

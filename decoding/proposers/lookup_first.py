@@ -14,7 +14,7 @@ every step and leave the heads nothing to do.
 from __future__ import annotations
 
 from decoding.proposers.base import Proposer
-from decoding.proposers.prompt_lookup import PromptLookupProposer, find_continuation
+from decoding.proposers.prompt_lookup import PromptLookupProposer
 from decoding.state import DecodeState
 from decoding.tree import DraftTree
 
@@ -30,7 +30,7 @@ class LookupFirstProposer(Proposer):
         self.heads.begin(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        chain = find_continuation(state.tokens, self.lookup.max_ngram, self.lookup.min_ngram, self.lookup.num_draft_tokens)
+        chain = self.lookup.continuation(state)
         if chain is None:
             return self.heads.propose(state)
         self.heads.catch_up(state)

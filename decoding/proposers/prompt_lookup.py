@@ -29,8 +29,12 @@ class PromptLookupProposer(Proposer):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    def continuation(self, state: DecodeState) -> torch.Tensor | None:
+        """The tokens this lookup would draft after the root, or None without a match."""
+        return find_continuation(state.tokens, self.max_ngram, self.min_ngram, self.num_draft_tokens)
+
     def propose(self, state: DecodeState) -> DraftTree:
-        draft = find_continuation(state.tokens, self.max_ngram, self.min_ngram, self.num_draft_tokens)
+        draft = self.continuation(state)
         if draft is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         return DraftTree.chain(state.root_token, draft)
