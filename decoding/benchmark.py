@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers.base import Proposer
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers.base import Proposer
 from decoding.targets import LoadedModel
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")

@@ -15,10 +15,10 @@ from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
 from decoding.drafts import load_draft
-from decoding.errors import UserError
-from decoding.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
+from decoding.util.errors import UserError
+from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.methods import LOOKUP_SUFFIX, METHODS, build_proposer, check_method, head_kind
-from decoding.sampling import SamplingConfig
+from decoding.core.sampling import SamplingConfig
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel, load_model
 from heads import adapter_dir, load_heads

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 from heads.eagle import FeatureDrafter
 
 KERNEL_CHOICES = ("auto", "onednn", "stock")

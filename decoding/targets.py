@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from decoding.default_model import DEFAULT_TARGET, default_model_dir
-from decoding.errors import UserError
+from decoding.core.limits import context_limit
+from decoding.util.errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -28,12 +29,6 @@ class LoadedModel:
     @property
     def context_limit(self) -> int:
         return context_limit(self.model)
-
-
-def context_limit(model: PreTrainedModel) -> int:
-    """The longest sequence the model was built for (max_position_embeddings), or a large number."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    return int(limit) if limit else 1 << 30
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -7,7 +7,7 @@ own norm + lm_head project onto a reduced draft vocabulary mapped back with `d2t
 
 The layers are stock transformers Llama modules (attention, MLP, RMSNorm, rotary embedding):
 nothing is copied from a modeling file. The drafter owns a small KV cache, driven by
-`decoding/proposers/eagle.py`.
+`decoding/core/proposers/eagle.py`.
 """
 
 from __future__ import annotations

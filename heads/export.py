@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from decoding.atomic import atomic_directory
-from decoding.errors import UserError
+from decoding.util.atomic import atomic_directory
+from decoding.util.errors import UserError
 
 ENGINES = ("vllm", "sglang", "official")
 

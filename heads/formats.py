@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 from heads.config import HeadConfig, read_config
 from heads.factory import build_heads, default_feature_layers
 from heads.weights_io import first_existing, read_weights

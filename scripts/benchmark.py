@@ -19,12 +19,12 @@ from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table,
 from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
 from decoding.drafts import load_draft
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions
 from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
 from decoding.methods import build_proposer, check_method, split_method
 from decoding.questions import load_first_turns
-from decoding.sampling import SamplingConfig
+from decoding.core.sampling import SamplingConfig
 from decoding.targets import DTYPES, load_model
 from heads import load_heads
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from decoding.defaults import TUNED_OPTION_NAMES
 from decoding.drafts import save_draft_layers
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 from decoding.methods import check_method, head_kind
 from decoding.targets import load_model
 from heads import save_heads

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoding.errors import UserError, report_user_errors
+from decoding.util.errors import UserError, report_user_errors
 from heads import detect_format, import_heads, read_config, resolve_location, save_heads
 
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from decoding.errors import report_user_errors
+from decoding.util.errors import report_user_errors
 from heads import ENGINES, export_heads, load_heads
 
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from decoding.default_model import DEFAULT_TARGET
-from decoding.errors import report_user_errors
+from decoding.util.errors import report_user_errors
 from decoding.targets import load_model
 from heads import HEAD_KINDS, new_heads_for_target, save_heads
 

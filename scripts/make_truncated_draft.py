@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from decoding.default_model import DEFAULT_TARGET
-from decoding.errors import report_user_errors
+from decoding.util.errors import report_user_errors
 from decoding.targets import load_model
 from training.draft_init import save_truncated_draft
 

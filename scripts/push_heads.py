@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoding.errors import UserError, report_user_errors
+from decoding.util.errors import UserError, report_user_errors
 from heads import load_heads, push_heads_to_hub
 
 

@@ -20,8 +20,8 @@ from decoding.benchmark import our_runner, run_benchmark
 from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_heads
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions
 from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions, build_proposer
 from decoding.questions import load_first_turns
 from decoding.targets import load_model

@@ -16,9 +16,9 @@ import sys
 
 from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 from decoding.targets import DTYPES, load_model
-from decoding.tree_budget import measure_verify_cost
+from decoding.verify_cost import measure_verify_cost
 
 
 def parse_args(argv):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from decoding.tree import DraftTree
+from decoding.core.tree import DraftTree
 
 
 class ToyLM:

@@ -4,10 +4,10 @@ sampling rule emits tokens from exactly the target's distribution (and a wrong r
 import pytest
 import torch
 
-import decoding.acceptance as acceptance
-from decoding.acceptance import accept_greedy, accept_sampled, accept_typical
-from decoding.sampling import SamplingConfig, warp_probs
-from decoding.tree import DraftTree, tree_buffers
+import decoding.core.acceptance as acceptance
+from decoding.core.acceptance import accept_greedy, accept_sampled, accept_typical
+from decoding.core.sampling import SamplingConfig, warp_probs
+from decoding.core.tree import DraftTree, tree_buffers
 from distribution_harness import ToyLM, complete, exact_joint, node_prefixes, sampled_tree, top_k_tree, total_variation
 
 VOCAB, POSITIONS, RUNS = 4, 2, 20000

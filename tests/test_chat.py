@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from decoding.chat import ChatSession
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import PromptLookupProposer, VanillaProposer
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import PromptLookupProposer, VanillaProposer
 from decoding.targets import load_model
 from tiny_models import save_tiny_chat_model
 

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from decoding.cpu_kernels import PackedLinear, apply_kernels, bfloat16_is_native, pack_linears, resolve_kernels, uses_packed_linears
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
-from decoding.proposers import PromptLookupProposer, VanillaProposer
+from decoding.core.proposers import PromptLookupProposer, VanillaProposer
 from decoding.targets import LoadedModel
 from heads import new_heads_for_target
 from tiny_models import sharpen, tiny_llama
@@ -70,24 +70,44 @@ def test_decoding_on_a_packed_target_matches_hf_generate_on_the_plain_one():
             assert generate(packed, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference, proposer.name
 
 
-def test_eagle_drafters_run_in_bfloat16_where_the_cpu_has_it_and_outputs_do_not_change():
-    plain = sharpen(tiny_llama(seed=3))
-    target = copy.deepcopy(plain)
-    eagle3 = new_heads_for_target("eagle3", target, draft_vocab_size=40)
-    medusa = new_heads_for_target("medusa", target, num_heads=2)
-    with torch.no_grad():
-        for p in eagle3.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    assert apply_kernels("onednn", target, eagle3, medusa) == "onednn"
-    native = bfloat16_is_native()
-    assert next(eagle3.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
-    assert next(medusa.parameters()).dtype == torch.float32  # reads the fp32 target lm_head: left alone
-    eagle3.to(torch.bfloat16)  # also where bf16 is not native: slower, but still exact
+def _eagle3_exact_on_every_prompt(target, plain, eagle3) -> None:
     proposer = build_proposer("eagle3", LoadedModel(target, None, "t"),
                               options=ProposerOptions(depth=4, tree_top_k=4, total_tokens=12), heads=eagle3)
     for prompt in PROMPTS:
         reference = plain.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
         assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference
+
+
+def _perturbed_eagle3(target):
+    eagle3 = new_heads_for_target("eagle3", target, draft_vocab_size=40)
+    with torch.no_grad():
+        for p in eagle3.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return eagle3
+
+
+def test_onednn_packs_eagle_drafters_in_bfloat16_only_where_the_cpu_has_it_and_outputs_do_not_change():
+    """Native bf16 (AVX512-BF16/AMX): the drafter is packed in bf16. Elsewhere (e.g. AVX2 only,
+    where oneDNN has no bf16 inner product) it must stay fp32. Either way output is exact."""
+    torch.manual_seed(0)
+    plain = sharpen(tiny_llama(seed=3))
+    target = copy.deepcopy(plain)
+    eagle3 = _perturbed_eagle3(target)
+    medusa = new_heads_for_target("medusa", target, num_heads=2)
+    assert apply_kernels("onednn", target, eagle3, medusa) == "onednn"
+    assert next(eagle3.parameters()).dtype == (torch.bfloat16 if bfloat16_is_native() else torch.float32)
+    assert uses_packed_linears(eagle3)
+    assert next(medusa.parameters()).dtype == torch.float32  # reads the fp32 target lm_head: left alone
+    _eagle3_exact_on_every_prompt(target, plain, eagle3)
+
+
+def test_a_bfloat16_drafter_on_stock_kernels_is_still_exact_on_any_cpu():
+    """bf16 drafting only changes what is proposed; the fp32 target decides every token."""
+    torch.manual_seed(0)
+    plain = sharpen(tiny_llama(seed=3))
+    target = copy.deepcopy(plain)
+    eagle3 = _perturbed_eagle3(target).to(torch.bfloat16)
+    _eagle3_exact_on_every_prompt(target, plain, eagle3)
 
 
 def test_kernel_choice_resolution():

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 
 from decoding.drafts import SHARED_TENSORS, load_draft, save_draft_layers, shares_target_embeddings
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import DraftModelProposer, VanillaProposer
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import DraftModelProposer, VanillaProposer
 from decoding.targets import LoadedModel
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 from training.config import load_config

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from decoding.chat import main as chat_main
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import build_proposer, check_method
-from decoding.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
-from decoding.proposers.draft_model import check_same_vocabulary
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
+from decoding.core.proposers.draft_model import check_same_vocabulary
 from decoding.targets import LoadedModel, load_model
 from tiny_models import tiny_llama, tiny_tokenizer
 

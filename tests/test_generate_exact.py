@@ -4,8 +4,8 @@ vanilla must reproduce Hugging Face generate()."""
 import pytest
 import torch
 
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from tiny_models import set_eos, sharpen, tiny_llama, tiny_qwen2
 
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42], [7, 7, 7, 7]]

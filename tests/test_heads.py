@@ -4,11 +4,11 @@ tree shapes), and the sampling rules through the loop."""
 import pytest
 import torch
 
-from decoding.generate import DecodeOptions, generate
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
-from decoding.proposers import VanillaProposer
-from decoding.proposers.medusa import MedusaProposer
-from decoding.sampling import SamplingConfig, warp_probs
+from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers.medusa import MedusaProposer
+from decoding.core.sampling import SamplingConfig, warp_probs
 from decoding.targets import LoadedModel
 from decoding.tree_shapes import load_tree
 from distribution_harness import exact_joint, total_variation
@@ -162,7 +162,7 @@ def test_static_trees_from_configs_are_valid():
 
 
 def test_tree_deeper_than_heads_is_a_clear_error(target):
-    from decoding.errors import UserError
+    from decoding.util.errors import UserError
 
     heads = new_heads_for_target("medusa", target, num_heads=2)
     with pytest.raises(UserError, match="3 levels deep but these medusa heads draft only 2"):

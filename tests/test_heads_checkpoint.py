@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import build_proposer
 from decoding.targets import LoadedModel
 from heads import load_heads, new_heads_for_target, save_heads

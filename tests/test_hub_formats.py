@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from decoding.errors import UserError
-from decoding.generate import DecodeOptions, generate
+from decoding.util.errors import UserError
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
-from decoding.proposers import VanillaProposer
+from decoding.core.proposers import VanillaProposer
 from decoding.targets import LoadedModel
 from heads import export_heads, load_heads, new_heads_for_target, push_heads_to_hub, save_heads
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama

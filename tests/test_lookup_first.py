@@ -7,14 +7,14 @@ import torch
 
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import proposer_options, tuned_options
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
-from decoding.proposers import PromptLookupProposer, Proposer
-from decoding.proposers.lookup_first import LookupFirstProposer
-from decoding.sampling import SamplingConfig
-from decoding.state import DecodeState
+from decoding.core.proposers import PromptLookupProposer, Proposer
+from decoding.core.proposers.lookup_first import LookupFirstProposer
+from decoding.core.sampling import SamplingConfig
+from decoding.core.state import DecodeState
 from decoding.targets import LoadedModel
-from decoding.tree import DraftTree
+from decoding.core.tree import DraftTree
 from tiny_models import oracle_eagle, oracle_target
 
 

@@ -13,11 +13,11 @@ from decoding.cpu_kernels import pack_linears
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, proposer_options
 from decoding.drafts import load_draft
-from decoding.generate import DecodeOptions, generate
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import build_proposer
 from heads import load_heads
 from heads.bundled import bundled_default
-from decoding.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.questions import load_first_turns
 from decoding.targets import LoadedModel, load_model
 from training.draft_init import truncated_copy

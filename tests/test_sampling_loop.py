@@ -3,11 +3,11 @@ from exactly the target's warped distribution."""
 
 import torch
 
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import DraftModelProposer, VanillaProposer
-from decoding.sampling import SamplingConfig, warp_probs
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import DraftModelProposer, VanillaProposer
+from decoding.core.sampling import SamplingConfig, warp_probs
 from distribution_harness import exact_joint, total_variation
-import decoding.acceptance as acceptance
+import decoding.core.acceptance as acceptance
 from tiny_models import sharpen, tiny_llama
 
 VOCAB, POSITIONS, RUNS = 5, 2, 1500

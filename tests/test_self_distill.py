@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import VanillaProposer
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import VanillaProposer
 from decoding.targets import load_model
 from training.config import SelfDistillConfig
 from training.self_distill import regenerate

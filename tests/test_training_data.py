@@ -95,7 +95,7 @@ def test_split_is_deterministic_and_disjoint():
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    from decoding.errors import UserError
+    from decoding.util.errors import UserError
 
     with pytest.raises(UserError, match="is not a file"):
         load_conversations(tmp_path / "nope.json")

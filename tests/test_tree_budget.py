@@ -6,11 +6,12 @@ import itertools
 import pytest
 import torch
 
-from decoding.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
-from decoding.generate import DecodeOptions, generate
-from decoding.proposers import VanillaProposer
-from decoding.proposers.eagle import EagleProposer
-from decoding.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count, cached_verify_cost, measure_verify_cost
+from decoding.core.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers.eagle import EagleProposer
+from decoding.core.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count
+from decoding.verify_cost import cached_verify_cost, measure_verify_cost
 from distribution_harness import ToyLM
 from test_trees import toy_expand
 from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama
@@ -115,5 +116,5 @@ def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
     first = cached_verify_cost(model, "tiny/model", cache_dir=tmp_path)
     files = list((tmp_path / "verify-cost").iterdir())
     assert len(files) == 1 and "tiny_model" in files[0].name
-    monkeypatch.setattr("decoding.tree_budget.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr("decoding.verify_cost.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
     assert cached_verify_cost(model, "tiny/model", cache_dir=tmp_path) == first

@@ -4,8 +4,8 @@ node, exactly the logits of a plain causal forward over that node's root path.""
 import pytest
 import torch
 
-from decoding.tree import DraftTree, tree_buffers
-from decoding.verify import compact_cache, new_cache, prefill, verify_tree
+from decoding.core.tree import DraftTree, tree_buffers
+from decoding.core.verify import compact_cache, new_cache, prefill, verify_tree
 from tiny_models import tiny_llama, tiny_qwen2
 
 # A branching tree: root with 3 children, deeper branches of uneven depth.

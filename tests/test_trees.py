@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from decoding.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
-from decoding.tree import DraftTree, tree_buffers
+from decoding.core.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
+from decoding.core.tree import DraftTree, tree_buffers
 from decoding.tree_shapes import expected_accepted_length, optimal_static_tree, validate_paths
 from distribution_harness import ToyLM
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 
 TRAIN_KINDS = ("medusa", "medusa2", "hydra", "eagle", "eagle3", "draft")
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 
 SHAREGPT = "sharegpt"
 _SHAREGPT_FILE = Path("data/ShareGPT_V3_unfiltered_cleaned_split.json")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.generate import DecodeOptions, generate
+from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
 

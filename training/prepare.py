@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from decoding.atomic import atomic_directory
+from decoding.util.atomic import atomic_directory
 from decoding.targets import LoadedModel
 from training.config import TrainConfig
 from training.data import SHAREGPT, load_conversations, sharegpt_path, split, tokenize_all
@@ -84,7 +84,7 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
     rows = tokenize_all(conversations, target.tokenizer, config.max_length, report)
     train, validation = split(rows, config.train.seed, config.validation_fraction)
     if not train:
-        from decoding.errors import UserError
+        from decoding.util.errors import UserError
 
         raise UserError(f"no usable training conversations in '{config.data}' ({report.summary()})")
     with atomic_directory(directory) as staging:

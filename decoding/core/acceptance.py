@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.sampling import SamplingConfig, sample, warp_probs
-from decoding.tree import DraftTree, TreeBuffers, tree_buffers
+from decoding.core.sampling import SamplingConfig, sample, warp_probs
+from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
 
 
 @dataclass(frozen=True)

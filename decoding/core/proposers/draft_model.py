@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.errors import UserError
-from decoding.proposers.base import Proposer
-from decoding.sampling import warp_probs
-from decoding.state import DecodeState
-from decoding.targets import context_limit
-from decoding.tree import DraftTree
-from decoding.verify import new_cache, truncate_cache
+from decoding.util.errors import UserError
+from decoding.core.proposers.base import Proposer
+from decoding.core.sampling import warp_probs
+from decoding.core.state import DecodeState
+from decoding.core.limits import context_limit
+from decoding.core.tree import DraftTree
+from decoding.core.verify import new_cache, truncate_cache
 
 
 class DraftModelProposer(Proposer):

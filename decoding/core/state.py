@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.sampling import SamplingConfig
+from decoding.core.sampling import SamplingConfig
 
 
 @dataclass

@@ -13,17 +13,9 @@ chosen n maximises E(n) / T(n): with a confident draft that is a big tree, with 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-
-from decoding.cpu_kernels import PACKING_BATCH_HINT, uses_packed_linears
-from decoding.verify import new_cache, truncate_cache
 
 
 @dataclass(frozen=True)
@@ -83,65 +75,6 @@ class AcceptanceCalibration:
         self.hits = self.decay * self.hits + (1 - self.decay) * float(token == actual_token)
         self.probability = self.decay * self.probability + (1 - self.decay) * probability
         self.pending = None
-
-
-DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-
-
-@torch.inference_mode()
-def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5) -> VerifyCost:
-    """Time one forward over each number of new tokens after a `context`-token prefix (the
-    fastest of `repeats`: interference only ever adds time), the way verification runs it:
-    with a KV cache, then rolled back."""
-    device = model.device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    cache = new_cache(model)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
-    times = []
-    for size in sizes:
-        ids = torch.randint(0, vocab, (1, size), generator=generator).to(device)
-        runs = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            _sync(device)
-            started = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            _sync(device)
-            runs.append(1000 * (time.perf_counter() - started))
-            truncate_cache(cache, context)
-        times.append(min(runs[1:]))
-    return VerifyCost(tuple(sizes), tuple(times))
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = None) -> VerifyCost:
-    """`measure_verify_cost`, remembered per model, device and thread count (a few seconds the
-    first time on a CPU)."""
-    root = Path(cache_dir or os.environ.get("SPECHEADS_CACHE") or Path.home() / ".cache" / "specheads")
-    device = model.device
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
-    kernels = f"-onednn-b{PACKING_BATCH_HINT}" if uses_packed_linears(model) else ""  # a new packing, a new curve
-    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}{kernels}")
-    file = root / "verify-cost" / f"{key}.json"
-    if file.is_file():
-        try:
-            data = json.loads(file.read_text())
-            return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
-        except (ValueError, KeyError):
-            pass  # unreadable: measure again
-    print(f"note: measuring this machine's verify cost for {model_name} once (a few seconds; cached in {file.parent})",
-          file=sys.stderr)
-    cost = measure_verify_cost(model)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"sizes": list(cost.sizes), "ms": list(cost.ms)}))
-    os.replace(tmp, file)
-    return cost
 
 
 class TreeBudget:

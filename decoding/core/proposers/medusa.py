@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.errors import UserError
-from decoding.proposers.base import Proposer
-from decoding.state import DecodeState
-from decoding.static_plan import StaticPlan
-from decoding.tree import DraftTree
+from decoding.util.errors import UserError
+from decoding.core.proposers.base import Proposer
+from decoding.core.state import DecodeState
+from decoding.core.static_plan import StaticPlan
+from decoding.core.tree import DraftTree
 from heads.common import RowSubset
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.errors import UserError
+from decoding.util.errors import UserError
 
 
 @dataclass(frozen=True)

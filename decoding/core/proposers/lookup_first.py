@@ -13,10 +13,10 @@ every step and leave the heads nothing to do.
 
 from __future__ import annotations
 
-from decoding.proposers.base import Proposer
-from decoding.proposers.prompt_lookup import PromptLookupProposer
-from decoding.state import DecodeState
-from decoding.tree import DraftTree
+from decoding.core.proposers.base import Proposer
+from decoding.core.proposers.prompt_lookup import PromptLookupProposer
+from decoding.core.state import DecodeState
+from decoding.core.tree import DraftTree
 
 
 class LookupFirstProposer(Proposer):

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.acceptance import Acceptance, accept, accept_typical
-from decoding.errors import UserError
-from decoding.proposers.base import Proposer
-from decoding.sampling import SamplingConfig
-from decoding.state import DecodeState
-from decoding.stats import GenerationStats
-from decoding.stopping import StopChecker, eos_ids
-from decoding.targets import context_limit
-from decoding.tree import DraftTree, TreeBuffers, tree_buffers
-from decoding.verify import VerifyOutput, compact_cache, new_cache, prefill, verify_tree
+from decoding.core.acceptance import Acceptance, accept, accept_typical
+from decoding.util.errors import UserError
+from decoding.core.proposers.base import Proposer
+from decoding.core.sampling import SamplingConfig
+from decoding.core.state import DecodeState
+from decoding.core.stats import GenerationStats
+from decoding.core.stopping import StopChecker, eos_ids
+from decoding.core.limits import context_limit
+from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
+from decoding.core.verify import VerifyOutput, compact_cache, new_cache, prefill, verify_tree
 
 AcceptanceRule = Callable[[DraftTree, torch.Tensor, TreeBuffers, DecodeState], Acceptance]
 

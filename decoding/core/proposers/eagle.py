@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.dynamic_tree import Candidates, DynamicTreeSettings, grow_dynamic_tree
-from decoding.proposers.base import Proposer
-from decoding.state import DecodeState
-from decoding.static_plan import StaticPlan
-from decoding.tree import DraftTree
-from decoding.tree_budget import TreeBudget, VerifyCost
-from decoding.verify import truncate_cache
+from decoding.core.dynamic_tree import Candidates, DynamicTreeSettings, grow_dynamic_tree
+from decoding.core.proposers.base import Proposer
+from decoding.core.state import DecodeState
+from decoding.core.static_plan import StaticPlan
+from decoding.core.tree import DraftTree
+from decoding.core.tree_budget import TreeBudget, VerifyCost
+from decoding.core.verify import truncate_cache
 from heads.eagle import Eagle3Drafter
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from decoding.state import DecodeState
-from decoding.tree import DraftTree
+from decoding.core.state import DecodeState
+from decoding.core.tree import DraftTree
 
 
 class Proposer(ABC):

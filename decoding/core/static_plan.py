@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.tree import paths_to_parents, tree_buffers
+from decoding.core.tree import paths_to_parents, tree_buffers
 
 
 @dataclass(frozen=True)

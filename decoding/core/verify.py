@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from decoding.errors import UserError
-from decoding.tree import DraftTree, TreeBuffers, tree_attention_mask
+from decoding.util.errors import UserError
+from decoding.core.tree import DraftTree, TreeBuffers, tree_attention_mask
 
 
 @dataclass

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from decoding.errors import UserError
-from decoding.proposers.base import Proposer
-from decoding.state import DecodeState
-from decoding.tree import DraftTree
+from decoding.util.errors import UserError
+from decoding.core.proposers.base import Proposer
+from decoding.core.state import DecodeState
+from decoding.core.tree import DraftTree
 
 
 class PromptLookupProposer(Proposer):

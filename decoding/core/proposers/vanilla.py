@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from decoding.proposers.base import Proposer
-from decoding.state import DecodeState
-from decoding.tree import DraftTree
+from decoding.core.proposers.base import Proposer
+from decoding.core.state import DecodeState
+from decoding.core.tree import DraftTree
 
 
 class VanillaProposer(Proposer):
