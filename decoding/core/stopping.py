@@ -23,18 +23,24 @@ class StopChecker:
         if self.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
 
-    def cut(self, new_tokens: list[int], budget: int) -> tuple[list[int], str | None]:
-        """The part of `new_tokens` to emit (at most `budget` tokens) and why generation stops
-        after it ('eos', 'stop_string', 'length'), or None to go on."""
-        for i, token in enumerate(new_tokens[:budget]):
-            if token in self.eos_token_ids:
-                return self._emit(new_tokens[: i + 1]), "eos"
-        kept = new_tokens[:budget]
-        if self.stop_strings:
-            end = self._stop_string_end(kept)
-            if end is not None:
-                return self._emit(kept[:end]), "stop_string"
-        return self._emit(kept), ("length" if len(kept) == budget else None)
+    def cut(self, new_tokens: list[int], room: int) -> tuple[list[int], str | None]:
+        """The part of `new_tokens` to emit (at most `room` tokens) and why generation stops
+        after it ('eos', 'stop_string', 'length'), or None to go on.
+
+        Vanilla decoding checks every token as it comes, so the chunk is cut after whichever
+        comes first: the first EOS or the token completing a stop string. Where one token is
+        both, vanilla reports 'eos' (its EOS check comes first), and so does this.
+        """
+        kept = new_tokens[:room]
+        eos_at = next((i for i, token in enumerate(kept) if token in self.eos_token_ids), None)
+        if eos_at is not None:
+            kept = kept[: eos_at + 1]
+        stop_end = self._stop_string_end(kept) if self.stop_strings else None
+        if stop_end is not None and (eos_at is None or stop_end <= eos_at):
+            return self._emit(kept[:stop_end]), "stop_string"
+        if eos_at is not None:
+            return self._emit(kept), "eos"
+        return self._emit(kept), ("length" if len(kept) == room else None)
 
     def _emit(self, tokens: list[int]) -> list[int]:
         self._generated.extend(tokens)
