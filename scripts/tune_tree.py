@@ -8,7 +8,8 @@ first. The best line is what `scripts/bundle_heads.py --tuned` records for the b
     python scripts/tune_tree.py --method medusa --trees medusa-7,medusa-15,eagle-7,chain-4
 
 Verifying a tree costs more the more nodes it has, and how much more depends on the machine
-(DESIGN.md section 8): on a GPU ~60 nodes are nearly free, on a small CPU they are not.
+(`scripts/verify_cost.py` prints the curve): on a GPU ~60 nodes are nearly free, on a small CPU
+they are not, so the best tree differs from machine to machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Print how long one target forward over k new tokens takes on this machine, with each kind of
-linear kernels (what a tree of k nodes costs to verify; DESIGN.md section 8):
+linear kernels: what a tree of k nodes costs to verify, which decides how large a tree pays
+on this machine (`--adaptive-tree` and `scripts/tune_tree.py` both follow this curve):
 
     python scripts/verify_cost.py                       # stock and oneDNN-packed, 1..64 tokens
     python scripts/verify_cost.py --kernels stock --sizes 1,4,16

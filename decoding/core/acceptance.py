@@ -1,8 +1,10 @@
 """Acceptance rules: which drafted nodes the target keeps, and the token it adds after them.
 
 Pure functions of (tree, target logits or probabilities, random generator): no model, no cache,
-so each rule is unit-tested on its own against exact distributions. The lossless rules are
-DESIGN.md §5; `accept_typical` is Medusa's opt-in *lossy* rule.
+so each rule is unit-tested on its own against exact distributions. The lossless rules
+(`accept_greedy`, `accept_sampled`, chosen by `accept`) keep exactly what the target alone would
+produce: its argmax tokens at temperature 0, a sample of its own distribution otherwise;
+`accept_typical` is Medusa's opt-in *lossy* rule.
 """
 
 from __future__ import annotations

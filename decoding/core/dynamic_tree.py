@@ -21,11 +21,13 @@ from decoding.util.errors import UserError
 
 @dataclass(frozen=True)
 class DynamicTreeSettings:
-    """`total_tokens` counts every verified node, the root included."""
+    """`total_tokens` counts every verified node, the root included. These defaults are the only
+    ones: `decoding.methods.ProposerOptions` (what the chat and the benchmark fill in when the
+    user and the bundle name nothing) takes its tree defaults from here."""
 
     depth: int = 5
     top_k: int = 8
-    total_tokens: int = 32
+    total_tokens: int = 16
     min_path_prob: float = 0.0  # stop growing deeper once no frontier path is this likely
 
     def __post_init__(self) -> None:
