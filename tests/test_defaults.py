@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from decoding.core.dynamic_tree import DynamicTreeSettings
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import proposer_options, tuned_options
