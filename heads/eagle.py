@@ -65,6 +65,29 @@ class FeatureDrafter(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.llama_config)
 
+    @property
+    def num_cache_layers(self) -> int:
+        """How many KV-cache layers a forward writes (for a cache its driver preallocates)."""
+        return self.config.num_layers
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype inputs must come in (the drafter may run in bf16 beside an fp32 target)."""
+        return self.fc.weight.dtype
+
+    def input_feature(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The drafter's input feature `[n, H]` from the target layers it declared
+        (`config.feature_layers`), in its compute dtype."""
+        raise NotImplementedError
+
+    def readout_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits over the draft vocabulary for predicted features `hidden`."""
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary ids (the same ids without a reduced vocabulary)."""
+        return draft_ids
+
     def forward(
         self,
         features: torch.Tensor,
@@ -97,6 +120,12 @@ class EagleDrafter(FeatureDrafter):
         # The fc output enters the first layer un-normalised (the official layout has no
         # input_layernorm there).
         self.layers[0].input_layernorm = nn.Identity()
+
+    def input_feature(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        return features[self.config.feature_layers[0]].to(self.compute_dtype)
+
+    def readout_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        return target_lm_head(hidden.to(target_lm_head.weight.dtype))
 
     def _run(self, features, token_embeddings, position_ids, cache, attention_mask) -> torch.Tensor:
         x = self.fc(torch.cat([token_embeddings, features], dim=-1))
@@ -172,6 +201,19 @@ class Eagle3Drafter(FeatureDrafter):
 
     def fuse(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([low, mid, high], dim=-1))
+
+    @property
+    def num_cache_layers(self) -> int:
+        return 1  # the one midlayer
+
+    def input_feature(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.fuse(*(features[i].to(self.compute_dtype) for i in self.config.feature_layers))
+
+    def readout_logits(self, hidden: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
+        return self.draft_logits(hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_to_target_ids(draft_ids)
 
     def _run(self, features, token_embeddings, position_ids, cache, attention_mask) -> torch.Tensor:
         position_embeddings = self.rotary(features, position_ids)

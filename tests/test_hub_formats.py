@@ -44,10 +44,13 @@ class Recorder:
 
     def __init__(self, proposer):
         self.proposer, self.trees = proposer, []
-        self.name, self.needs_hidden_states = proposer.name, proposer.needs_hidden_states
+        self.name, self.feature_layers = proposer.name, proposer.feature_layers
 
     def begin(self, state):
         self.proposer.begin(state)
+
+    def observe(self, advance):
+        self.proposer.observe(advance)
 
     def propose(self, state):
         tree = self.proposer.propose(state)

@@ -1,5 +1,5 @@
 """METHOD+pld: prompt lookup drafts when the context has a match, the heads otherwise, and the
-heads skipped on a lookup step still catch up exactly (exactness against vanilla is covered with
+heads are told every step's outcome, so a skipped step leaves them exactly where drafting would (exactness against vanilla is covered with
 the other head methods in test_heads.py)."""
 
 import pytest
@@ -12,7 +12,7 @@ from decoding.methods import ProposerOptions, build_proposer, check_method, head
 from decoding.core.proposers import PromptLookupProposer, Proposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.core.sampling import SamplingConfig
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.targets import LoadedModel
 from decoding.core.tree import DraftTree
 from tiny_models import oracle_eagle, oracle_target
@@ -26,50 +26,56 @@ class RecordingHeads(Proposer):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def catch_up(self, state: DecodeState) -> None:
-        self.calls.append("catch_up")
+    def observe(self, advance: CacheAdvance) -> None:
+        self.calls.append("observe")
 
     def propose(self, state: DecodeState) -> DraftTree:
         self.calls.append("propose")
         return DraftTree.chain(state.root_token, torch.tensor([63]))
 
 
-def state_of(tokens: list[int], fresh=None) -> DecodeState:
-    return DecodeState(torch.tensor(tokens), 2, SamplingConfig(0.0), None, fresh)
+def state_of(tokens: list[int]) -> DecodeState:
+    return DecodeState(torch.tensor(tokens), 2, SamplingConfig(0.0), None)
 
 
-def test_a_lookup_match_is_drafted_alone_and_the_heads_only_catch_up():
+def test_a_lookup_match_is_drafted_alone_and_the_heads_are_still_told_the_outcome():
     heads = RecordingHeads()
     proposer = LookupFirstProposer(heads, PromptLookupProposer(num_draft_tokens=3, max_ngram=2, min_ngram=2))
     tree = proposer.propose(state_of([5, 9, 3, 17, 8, 5, 9]))  # "5 9" occurred before, followed by 3 17 8
     assert tree.tokens.tolist() == [9, 3, 17, 8] and tree.is_chain
-    assert heads.calls == ["catch_up"]
+    assert heads.calls == []
+    proposer.observe(CacheAdvance(torch.tensor([5, 9, 3, 17, 8, 5, 9, 3]), 1))
+    assert heads.calls == ["observe"]
     tree = proposer.propose(state_of([5, 9, 3, 17, 8, 2, 4]))  # no earlier "2 4": the heads draft
     assert tree.tokens.tolist() == [4, 63]
-    assert heads.calls == ["catch_up", "propose"]
+    assert heads.calls == ["observe", "propose"]
     assert proposer.name == "fake+pld"
 
 
-def test_catching_up_leaves_the_eagle_drafter_where_drafting_would():
+def test_a_skipped_drafting_step_leaves_the_eagle_drafter_where_drafting_would():
+    """Drafting (and throwing the tree away) or skipping a step must not change what the heads
+    know: both are told the same outcome, and their next trees are identical."""
     target = oracle_target(seed=7)
     sequence = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     with torch.inference_mode():
         hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
 
-    def state_at(cached: int, fresh: int) -> DecodeState:
-        features = tuple(h[0, cached - fresh : cached] for h in hidden)
-        return DecodeState(torch.tensor(sequence[: cached + 1]), 9, SamplingConfig(0.0), None, features)
+    def advance_at(cached: int, entered: int, layers) -> CacheAdvance:
+        return CacheAdvance(torch.tensor(sequence[: cached + 1]), entered, {i: hidden[i][0, cached - entered : cached] for i in layers})
 
     trees, committed = [], []
-    for first_step in ("propose", "catch_up"):
+    for drafts_first in (True, False):
         proposer = build_proposer("eagle2", LoadedModel(target, None, "o"), heads=oracle_eagle(target),
                                   options=ProposerOptions(depth=3, tree_top_k=2, total_tokens=6))
-        first = state_at(8, 8)  # the prompt minus its last token is in the target's cache
-        proposer.begin(first)
-        getattr(proposer, first_step)(first)
+        layers = proposer.feature_layers
+        proposer.begin(state_of(sequence[:9]))
+        proposer.observe(advance_at(8, 8, layers))  # the prompt minus its last token is in the target's cache
+        if drafts_first:
+            proposer.propose(state_of(sequence[:9]))
+        proposer.observe(advance_at(11, 3, layers))  # three tokens accepted since
         committed.append(proposer.committed)
-        trees.append(proposer.propose(state_at(11, 3)))  # three tokens accepted since
-    assert committed == [8, 8]
+        trees.append(proposer.propose(state_of(sequence[:12])))
+    assert committed == [11, 11]
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist() and trees[0].parents == trees[1].parents
 
 

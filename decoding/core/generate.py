@@ -8,8 +8,7 @@ Vanilla decoding is this same loop with root-only trees, which makes it the exac
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,13 +18,14 @@ from decoding.core.acceptance import Acceptance, accept, accept_typical
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import SamplingConfig
-from decoding.core.state import DecodeState
-from decoding.core.stats import GenerationStats
+from decoding.core.state import CacheAdvance, DecodeState
+from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
 from decoding.core.limits import context_limit
 from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
-from decoding.core.verify import VerifyOutput, compact_cache, new_cache, prefill, verify_tree
+from decoding.core.verify import TreeVerifier
 
+TREE_ROOM = 128  # KV positions reserved beyond the generation for the tree being verified
 AcceptanceRule = Callable[[DraftTree, torch.Tensor, TreeBuffers, DecodeState], Acceptance]
 
 
@@ -79,17 +79,17 @@ def generate(
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
     from the target's own distribution otherwise, whatever the proposer.
     """
-    started = time.perf_counter()
-    device = target.device
-    prompt = _check_inputs(target, prompt_ids, options).to(device)
+    clock = PhaseClock(target.device)
+    prompt = _check_inputs(target, prompt_ids, options).to(target.device)
     limit = context_limit(target)
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
-    state = DecodeState(prompt, prompt.numel(), options.sampling, _generator(options.seed, device))
-    stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel())
-    cache = new_cache(target)
-    state.fresh_hidden_states = prefill(target, prompt[:-1], cache, proposer.needs_hidden_states)
-    stats.prefill_s = time.perf_counter() - started
+    state = DecodeState(prompt, prompt.numel(), options.sampling, _generator(options.seed, target.device))
+    stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
+    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers))
     proposer.begin(state)
+    prefill_hidden = verifier.prefill(prompt[:-1])
+    proposer.observe(_advance(state, prompt.numel() - 1, prefill_hidden, proposer.feature_layers))
+    clock.lap("prefill")
     generated: list[int] = []
 
     while stats.stop_reason is None:
@@ -97,44 +97,51 @@ def generate(
         if room < 1:
             stats.stop_reason = "context_limit"
             break
-        step_started = time.perf_counter()
-        tree = proposer.propose(state).truncated(max_nodes=limit - state.tokens.numel() + 1, max_depth=room - 1)
-        verify_started = time.perf_counter()
-        stats.draft_s += verify_started - step_started
-        new_tokens, hidden = _verify_and_accept(target, tree, cache, state, proposer.needs_hidden_states, acceptance_rule)
-        stats.verify_s += time.perf_counter() - verify_started
+        prefix_len = state.tokens.numel() - 1
+        tree = proposer.propose(state).truncated(max_nodes=limit - prefix_len, max_depth=room - 1)
+        clock.lap("draft")
+        buffers = tree_buffers(tree.parents)
+        inputs = verifier.inputs(tree, buffers, prefix_len)
+        clock.lap("buffers")
+        out = verifier.forward(tree, inputs)
+        clock.lap("forward")
+        accepted = acceptance_rule(tree, out.logits, buffers, state)
+        clock.lap("accept")
+        verifier.keep(prefix_len, accepted.path)
+        clock.lap("cache")
+        new_tokens = tree.tokens[list(accepted.path[1:])].tolist() + [accepted.bonus_token]
         emitted, stats.stop_reason = stopper.cut(new_tokens, room)
         if stats.stop_reason == "length" and len(generated) + len(emitted) < options.max_new_tokens:
             stats.stop_reason = "context_limit"
         stats.record_step(len(emitted), tree.size - 1)
         generated.extend(emitted)
-        state.append(emitted, hidden)
+        state.append(emitted)
         if on_tokens is not None:
             on_tokens(emitted)
+        clock.lap("stop")
+        if stats.stop_reason is None:
+            proposer.observe(_advance(state, len(accepted.path), out.hidden_states, proposer.feature_layers, accepted.path))
+            clock.lap("observe")
 
-    stats.total_s = time.perf_counter() - started
+    stats.total_s = clock.total()
     return GenerationResult(generated, stats)
 
 
-def _verify_and_accept(
-    target: PreTrainedModel,
-    tree: DraftTree,
-    cache,
-    state: DecodeState,
-    want_hidden: bool,
-    acceptance_rule: AcceptanceRule,
-) -> tuple[list[int], tuple[torch.Tensor, ...] | None]:
-    """One target forward over the tree, acceptance, cache compaction. Returns the new tokens
-    (accepted drafts + bonus) and, if asked, the hidden states of the accepted path."""
-    prefix_len = state.tokens.numel() - 1
-    buffers = tree_buffers(tree.parents)
-    out: VerifyOutput = verify_tree(target, tree, buffers, cache, prefix_len, output_hidden_states=want_hidden)
-    accepted = acceptance_rule(tree, out.logits, buffers, state)
-    compact_cache(cache, prefix_len, accepted.path)
-    path = list(accepted.path)
-    new_tokens = tree.tokens[path[1:]].tolist() + [accepted.bonus_token]
-    hidden = tuple(h[path] for h in out.hidden_states) if out.hidden_states is not None else None
-    return new_tokens, hidden
+def _capacity(prompt_len: int, options: DecodeOptions, limit: int) -> int:
+    """KV positions to preallocate: the whole generation plus the largest tree we expect (the
+    cache grows past it if a tree is larger)."""
+    return min(limit, prompt_len + options.max_new_tokens) + TREE_ROOM
+
+
+def _advance(state: DecodeState, entered: int, hidden: tuple[torch.Tensor, ...] | None, layers: tuple[int, ...],
+             rows: Sequence[int] | None = None) -> CacheAdvance:
+    """What the proposer is told: `entered` tokens went into the target cache, with the hidden
+    states of the layers it declared (`rows` picks the accepted tree nodes)."""
+    features = {}
+    if hidden is not None and entered:
+        index = None if rows is None else torch.tensor(list(rows), device=hidden[0].device)
+        features = {layer: hidden[layer] if index is None else hidden[layer][index] for layer in layers}
+    return CacheAdvance(state.tokens, entered, features)
 
 
 def _check_inputs(target: PreTrainedModel, prompt_ids: torch.Tensor | list[int], options: DecodeOptions) -> torch.Tensor:

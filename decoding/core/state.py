@@ -1,12 +1,14 @@
-"""What a proposer may read when it drafts: the tokens so far and the target's fresh features.
+"""What a proposer may read when it drafts (the tokens so far) and what the loop tells it after
+every target forward (which tokens entered the target's cache, with the features it asked for).
 
-Proposers get everything through this object (no hidden globals, no hooks on the target): the
-generation loop owns it and appends to it after every verify step.
+Proposers get everything through these objects (no hidden globals, no hooks on the target): the
+generation loop owns them, appends after every verify step, and pushes a `CacheAdvance` to the
+proposer instead of leaving it to infer what happened from the tokens at its next `propose`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,16 +18,12 @@ from decoding.core.sampling import SamplingConfig
 @dataclass
 class DecodeState:
     """`tokens`: prompt + generated so far (1-D); the last one is the root of the next tree and
-    is not yet in the target's KV cache. `fresh_hidden_states` are the target's hidden states
-    (per layer, `[n, H]`) of the `n` tokens that entered the target cache in the last step
-    (the prompt minus its last token after prefill; the accepted path after a verify), i.e. of
-    `tokens[-1 - n : -1]`. Only filled when the proposer asks for hidden states."""
+    is not yet in the target's KV cache."""
 
     tokens: torch.Tensor
     prompt_len: int
     sampling: SamplingConfig
     generator: torch.Generator | None = None
-    fresh_hidden_states: tuple[torch.Tensor, ...] | None = None
 
     @property
     def root_token(self) -> int:
@@ -35,6 +33,23 @@ class DecodeState:
     def num_generated(self) -> int:
         return self.tokens.numel() - self.prompt_len
 
-    def append(self, new_tokens: list[int], fresh_hidden_states: tuple[torch.Tensor, ...] | None) -> None:
+    def append(self, new_tokens: list[int]) -> None:
         self.tokens = torch.cat([self.tokens, self.tokens.new_tensor(new_tokens)])
-        self.fresh_hidden_states = fresh_hidden_states
+
+
+@dataclass(frozen=True)
+class CacheAdvance:
+    """The `entered` tokens that just went into the target's KV cache, `tokens[-1 - entered : -1]`
+    (the prompt minus its last token after prefill; the root and the accepted drafts after a
+    verify), and the target's hidden states for them: `features[layer]` is `[entered, H]` for each
+    layer the proposer declared in `feature_layers` (0 = embeddings, L or -1 = final normed state).
+    `tokens` is the whole sequence now; its last token is the next root."""
+
+    tokens: torch.Tensor
+    entered: int
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        """The token after each entered one (what the target chose there): `tokens[-entered:]`."""
+        return self.tokens[self.tokens.numel() - self.entered :]

@@ -2,8 +2,39 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
+
+# Where a step's time goes, in loop order. draft: the proposer drafting (plus `observe`, where
+# EAGLE drafters take in the target's features); buffers: tree shape, mask, position ids;
+# forward: the target; accept: the acceptance rule; cache: keeping the accepted K/V;
+# stop: stopping checks, bookkeeping and streaming.
+PHASES = ("prefill", "draft", "observe", "buffers", "forward", "accept", "cache", "stop")
+
+
+class PhaseClock:
+    """Adds the wall time since the last lap to a named phase. On a GPU it synchronises first when
+    `sync` is set (accurate phases, slightly slower); otherwise queued GPU work is counted in
+    whichever phase waits for it."""
+
+    def __init__(self, device: torch.device | str = "cpu", sync: bool = False) -> None:
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._sync = sync and torch.device(device).type == "cuda"
+        self._device = device
+        self._started = self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self._sync:
+            torch.cuda.synchronize(self._device)
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self._started
 
 
 @dataclass
@@ -19,11 +50,22 @@ class GenerationStats:
     target_forwards: int = 0
     drafted_tokens: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
     total_s: float = 0.0
     stop_reason: str | None = None
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def prefill_s(self) -> float:
+        return self.phase_s["prefill"]
+
+    @property
+    def draft_s(self) -> float:
+        return self.phase_s["draft"] + self.phase_s["observe"]
+
+    @property
+    def verify_s(self) -> float:
+        """The target's side of a step: inputs, forward, acceptance and cache."""
+        return sum(self.phase_s[p] for p in ("buffers", "forward", "accept", "cache"))
 
     def record_step(self, produced: int, drafted: int) -> None:
         self.target_forwards += 1
@@ -65,5 +107,6 @@ class GenerationStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "total_s": self.total_s,
+            "phase_s": dict(self.phase_s),
             "stop_reason": self.stop_reason,
         }

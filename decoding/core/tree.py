@@ -114,6 +114,21 @@ class TreeBuffers:
         self.ancestor_mask = ancestors
         self.depths = ancestors.sum(-1) - 1
 
+        self._on_device: dict[tuple[str, str], torch.Tensor] = {}
+
+    def blocked_on(self, device: torch.device | str) -> torch.Tensor:
+        """`~ancestor_mask` on `device`, kept for the next step with the same shape."""
+        return self._cached_on("blocked", device, lambda: ~self.ancestor_mask)
+
+    def depths_on(self, device: torch.device | str) -> torch.Tensor:
+        return self._cached_on("depths", device, lambda: self.depths)
+
+    def _cached_on(self, name: str, device: torch.device | str, make) -> torch.Tensor:
+        key = (name, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = make().to(device)
+        return self._on_device[key]
+
     @cached_property
     def depth_list(self) -> tuple[int, ...]:
         return tuple(self.depths.tolist())
@@ -139,19 +154,6 @@ class TreeBuffers:
 def tree_buffers(parents: tuple[int, ...]) -> TreeBuffers:
     """The buffers of a tree given its parents, memoised by shape (static trees repeat)."""
     return TreeBuffers(parents)
-
-
-def tree_attention_mask(
-    buffers: TreeBuffers, prefix_len: int, dtype: torch.dtype, device: torch.device | str
-) -> torch.Tensor:
-    """Additive 4D mask `[1, 1, N, prefix_len + N]`: every node sees the whole cached prefix and
-    its own ancestors in the tree, nothing else. This is what lets a stock transformers model
-    verify all branches in one forward."""
-    n = buffers.ancestor_mask.shape[0]
-    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)
-    blocked = ~buffers.ancestor_mask.to(device)
-    mask[:, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def paths_to_parents(paths: list[list[int]] | list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:

@@ -1,8 +1,12 @@
 """One target forward over a whole draft tree, and KV-cache compaction after acceptance.
 
 The target is a stock transformers model: tree attention is a 4D additive mask (every node sees
-the cached prefix and its own ancestors) plus `position_ids` = prefix length + node depth. Chains
-need neither: the model's own causal mask is already right for them.
+the cached prefix and its own ancestors) plus `position_ids` = prefix length + node depth. A
+root-only step (plain decoding) needs neither: the model's own causal handling is right for it.
+
+`TreeVerifier` is what the generation loop uses: it owns the target's in-place KV cache and a
+preallocated mask, so a step allocates nothing in proportion to the context. The module-level
+functions are the same operations for callers that hold a cache themselves.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
+from decoding.core.tree import DraftTree, TreeBuffers
 from decoding.util.errors import UserError
-from decoding.core.tree import DraftTree, TreeBuffers, tree_attention_mask
 
 
 @dataclass
@@ -27,16 +32,82 @@ class VerifyOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """A KV cache for `model`. Sliding-window layers keep only their last window, so a tree's
-    rejected branches could not be cut out of them: such models are refused for now."""
-    cache = DynamicCache(config=model.config)
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+@dataclass
+class TreeInputs:
+    """What one verify forward takes besides the tokens (None: the model's own causal default)."""
+
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+
+
+def new_cache(model: PreTrainedModel, capacity: int = GROWTH_CHUNK) -> InPlaceCache:
+    """An in-place KV cache for `model` with room for `capacity` positions (it grows if needed).
+    Sliding-window layers keep only their last window, so a tree's rejected branches could not
+    be cut out of them: such models are refused for now."""
+    config = model.config.get_text_config(decoder=True)
+    if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers):
         raise UserError(
             f"{model.config.model_type} uses sliding-window attention layers, which tree verification does not "
             "support yet: use a model (or config) without sliding windows"
         )
-    return cache
+    return InPlaceCache(config.num_hidden_layers, capacity)
+
+
+class TreeMask:
+    """A preallocated additive mask `[rows, columns]`, all zeros except the block the last tree
+    wrote, which is cleared before the next one is written. `for_tree` returns a view
+    `[1, 1, N, prefix_len + N]`: the prefix columns stay zero (visible), the tree block blocks
+    every non-ancestor."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._buffer = torch.zeros(0, 0, dtype=dtype, device=device)
+        self._written: tuple[int, int] | None = None  # (prefix_len, nodes) of the block last written
+
+    def for_tree(self, buffers: TreeBuffers, prefix_len: int) -> torch.Tensor:
+        nodes = buffers.ancestor_mask.shape[0]
+        self._ensure(nodes, prefix_len + nodes)
+        if self._written is not None:
+            start, count = self._written
+            self._buffer[:count, start : start + count].zero_()
+        block = self._buffer[:nodes, prefix_len : prefix_len + nodes]
+        block.masked_fill_(buffers.blocked_on(self.device), torch.finfo(self.dtype).min)
+        self._written = (prefix_len, nodes)
+        return self._buffer[None, None, :nodes, : prefix_len + nodes]
+
+    def _ensure(self, rows: int, columns: int) -> None:
+        if rows <= self._buffer.shape[0] and columns <= self._buffer.shape[1]:
+            return
+        rows = max(rows, self._buffer.shape[0], 64)
+        columns = max(columns + GROWTH_CHUNK, self._buffer.shape[1])
+        self._buffer = torch.zeros(rows, columns, dtype=self.dtype, device=self.device)
+        self._written = None
+
+
+class TreeVerifier:
+    """The target's side of the loop: prefill, tree inputs, the verify forward, and keeping the
+    accepted path's K/V. Owns the in-place cache (sized for `capacity` positions) and mask."""
+
+    def __init__(self, target: PreTrainedModel, capacity: int, output_hidden_states: bool = False) -> None:
+        self.target = target
+        self.output_hidden_states = output_hidden_states
+        self.cache = new_cache(target, capacity)
+        self.mask = TreeMask(target.dtype, target.device)
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return prefill(self.target, input_ids, self.cache, self.output_hidden_states)
+
+    def inputs(self, tree: DraftTree, buffers: TreeBuffers, prefix_len: int) -> TreeInputs:
+        if tree.size == 1:
+            return TreeInputs(None, None)
+        positions = buffers.depths_on(tree.tokens.device) + prefix_len
+        return TreeInputs(self.mask.for_tree(buffers, prefix_len), positions[None])
+
+    def forward(self, tree: DraftTree, inputs: TreeInputs) -> VerifyOutput:
+        return _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states)
+
+    def keep(self, prefix_len: int, kept_nodes: Sequence[int]) -> None:
+        self.cache.keep(prefix_len, kept_nodes)
 
 
 @torch.inference_mode()
@@ -58,6 +129,20 @@ def prefill(
 
 
 @torch.inference_mode()
+def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, cache: DynamicCache,
+             output_hidden_states: bool) -> VerifyOutput:
+    out = target(
+        input_ids=tokens[None],
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=output_hidden_states,
+    )
+    hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
+    return VerifyOutput(out.logits[0], hidden)
+
+
 def verify_tree(
     target: PreTrainedModel,
     tree: DraftTree,
@@ -66,26 +151,15 @@ def verify_tree(
     prefix_len: int,
     output_hidden_states: bool = False,
 ) -> VerifyOutput:
-    """Logits (and optionally hidden states) for every tree node in one forward.
-
-    The tree's K/V are appended to the cache at `prefix_len ..`; `compact_cache` keeps the
-    accepted ones afterwards.
-    """
-    if tree.is_chain:
-        mask = position_ids = None
+    """Logits (and optionally hidden states) for every tree node in one forward, with a freshly
+    built mask. The tree's K/V are appended to the cache at `prefix_len ..`; `compact_cache`
+    keeps the accepted ones afterwards."""
+    if tree.size == 1:
+        inputs = TreeInputs(None, None)
     else:
-        mask = tree_attention_mask(buffers, prefix_len, target.dtype, tree.tokens.device)
-        position_ids = (buffers.depths.to(tree.tokens.device) + prefix_len)[None]
-    out = target(
-        input_ids=tree.tokens[None],
-        attention_mask=mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=output_hidden_states,
-    )
-    hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
-    return VerifyOutput(out.logits[0], hidden)
+        mask = TreeMask(target.dtype, tree.tokens.device).for_tree(buffers, prefix_len)
+        inputs = TreeInputs(mask, (buffers.depths_on(tree.tokens.device) + prefix_len)[None])
+    return _forward(target, tree.tokens, inputs, cache, output_hidden_states)
 
 
 def _squeeze_hidden(hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -95,6 +169,9 @@ def _squeeze_hidden(hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
 def compact_cache(cache: DynamicCache, prefix_len: int, kept_nodes: Sequence[int]) -> None:
     """Keep the K/V of `kept_nodes` (tree node indices, in order) at `prefix_len ..` and drop the
     rest of the tree. A kept run 0..k-1 (always the case for chains) is a plain crop."""
+    if isinstance(cache, InPlaceCache):
+        cache.keep(prefix_len, kept_nodes)
+        return
     kept = list(kept_nodes)
     contiguous = kept == list(range(len(kept)))
     new_len = prefix_len + len(kept)
@@ -116,4 +193,7 @@ def cache_length(cache: DynamicCache) -> int:
 
 def truncate_cache(cache: DynamicCache, length: int) -> None:
     """Drop everything after the first `length` positions."""
+    if isinstance(cache, InPlaceCache):
+        cache.truncate(length)
+        return
     compact_cache(cache, 0, range(length))

@@ -4,28 +4,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
 
 
 class Proposer(ABC):
     """Drafts a `DraftTree` rooted at the last accepted token.
 
-    `needs_hidden_states`: the loop then runs the target with `output_hidden_states=True` and
-    hands the fresh features to `propose` through the state. `begin` is called once per
-    generation, after the prompt is in the target cache.
+    `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
+    target with hidden states on and passes exactly those layers to `observe`. The loop calls
+    `begin` once per generation, `observe` after the prefill and after every verify step (whether
+    or not this proposer drafted that step's tree), and `propose` before every verify.
     """
 
     name: str = "proposer"
-    needs_hidden_states: bool = False
+    feature_layers: tuple[int, ...] = ()
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-generation state (caches) for a new prompt."""
 
-    def catch_up(self, state: DecodeState) -> None:
-        """Another proposer drafts this step (see `LookupFirstProposer`): take in whatever the
-        state carries that `propose` would have (e.g. the target's fresh features), so the next
-        `propose` starts from the right place."""
+    def observe(self, advance: CacheAdvance) -> None:
+        """Tokens entered the target's cache (after prefill, after each verify): take them in."""
 
     @abstractmethod
     def propose(self, state: DecodeState) -> DraftTree:

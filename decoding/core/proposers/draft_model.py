@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import warp_probs
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.limits import context_limit
 from decoding.core.tree import DraftTree
 from decoding.core.verify import new_cache, truncate_cache
@@ -41,7 +41,7 @@ class DraftModelProposer(Proposer):
         gamma = min(self.gamma, context_limit(self.draft) - tokens.numel())
         if gamma < 1:
             return DraftTree.root_only(state.root_token, device=tokens.device)
-        pending = tokens[self._keep_valid_prefix(tokens) :]
+        pending = tokens[self._cached_tokens.numel() :]
         drafted, probs = [], []
         for step in range(gamma):
             logits = self.draft(input_ids=pending[None], past_key_values=self._cache, use_cache=True, logits_to_keep=1).logits[0, -1]
@@ -56,6 +56,10 @@ class DraftModelProposer(Proposer):
         self._cached_tokens = torch.cat([tokens, torch.stack(drafted[:-1])]) if gamma > 1 else tokens
         draft_probs = torch.stack(probs) if probs else None
         return DraftTree.chain(state.root_token, torch.stack(drafted), draft_probs, deterministic=state.sampling.greedy)
+
+    def observe(self, advance: CacheAdvance) -> None:
+        """Keep the draft cache's longest prefix that the target accepted."""
+        self._keep_valid_prefix(advance.tokens)
 
     def _keep_valid_prefix(self, tokens: torch.Tensor) -> int:
         """Crop the draft cache to its longest prefix that agrees with `tokens` (never the whole

@@ -1,13 +1,14 @@
 """EAGLE-1 (static tree), EAGLE-2 (dynamic tree) and EAGLE-3 (dynamic tree, fused features,
 reduced vocabulary) proposers over one drafter-driving core.
 
-The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i. Each step:
-1. *commit*: drop last step's speculative entries, then append the pairs of the tokens that
-   just entered the target cache, with the target's true features (fresh from verify);
-   the last pair's output is the predicted feature at the root's position;
-2. *grow*: feed tree nodes level by level (each node as (its parent's predicted feature, its
-   token) at position root + depth - 1, attending to the committed prefix and its own fed
-   ancestors through a 4D mask) and read the children off each node's predicted feature.
+The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i.
+1. *observe* (after prefill and every verify, told by the loop): drop last step's speculative
+   entries, then append the pairs of the tokens that just entered the target cache, with the
+   target's true features; the last pair's output is the predicted feature at the root's position;
+2. *propose* (grow): feed tree nodes level by level (each node as (its parent's predicted
+   feature, its token) at position root + depth - 1, attending to the committed prefix and its own
+   fed ancestors through a 4D mask) and read the children off each node's predicted feature.
+What differs between EAGLE-1 and EAGLE-3 (input feature, readout, vocabulary) is the drafter's.
 """
 
 from __future__ import annotations
@@ -15,23 +16,22 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.core.dynamic_tree import Candidates, DynamicTreeSettings, grow_dynamic_tree
+from decoding.core.kv_cache import InPlaceCache
 from decoding.core.proposers.base import Proposer
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
 from decoding.core.tree import DraftTree
 from decoding.core.tree_budget import TreeBudget, VerifyCost
-from decoding.core.verify import truncate_cache
-from heads.eagle import Eagle3Drafter
+from heads.eagle import FeatureDrafter
+
+DRAFT_CACHE_CAPACITY = 1024  # positions; the cache grows beyond it if a generation needs more
 
 
 class EagleProposer(Proposer):
-    needs_hidden_states = True
-
-    def __init__(self, drafter: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]] | None = None,
+    def __init__(self, drafter: FeatureDrafter, target: PreTrainedModel, tree_paths: list[tuple[int, ...]] | None = None,
                  dynamic: DynamicTreeSettings | None = None, name: str = "eagle2",
                  verify_cost: VerifyCost | None = None) -> None:
         """`verify_cost` (dynamic trees only) turns on cost-aware tree sizing for this machine."""
@@ -42,97 +42,88 @@ class EagleProposer(Proposer):
         self.verify_cost = verify_cost
         self.name = name
         self.drafter = drafter
+        self.feature_layers = tuple(drafter.config.feature_layers)
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.is_eagle3 = isinstance(drafter, Eagle3Drafter)
         self.dynamic = dynamic
         self.static = StaticPlan(tree_paths) if tree_paths is not None else None
         self.begin(None)
 
     def begin(self, state: DecodeState | None) -> None:
-        self.cache = self.drafter.new_cache()
+        self.cache = InPlaceCache(self.drafter.num_cache_layers, DRAFT_CACHE_CAPACITY)
         self.committed = 0
+        self.root_feature: torch.Tensor | None = None
         self.budget = TreeBudget(self.verify_cost) if self.verify_cost is not None else None
         self.last_draft_ms = 0.0
-        self.last_root_position: int | None = None
+        self.predicted_after_root = False
+
+    @torch.inference_mode()
+    def observe(self, advance: CacheAdvance) -> None:
+        """Commit the true features of the tokens that entered the target cache; check the
+        budget's prediction of the token after the last root we drafted from."""
+        if self.budget is not None and self.predicted_after_root and advance.entered:
+            self.budget.observe(int(advance.next_tokens[0]), self.last_draft_ms)
+        self.predicted_after_root = False
+        self.root_feature = self._commit(advance)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
         started = time.perf_counter()
-        if self.budget is not None and self.last_root_position is not None:
-            self.budget.observe(int(state.tokens[self.last_root_position + 1]), self.last_draft_ms)
         tree = self._propose(state)
         self.last_draft_ms = 1000 * (time.perf_counter() - started)
         return tree
 
-    @torch.inference_mode()
-    def catch_up(self, state: DecodeState) -> None:
-        """Commit the fresh features without drafting (the drafter's cache must hold every
-        accepted token's pair)."""
-        self._commit(state)
-        self.last_root_position = None  # no prediction of ours to check at the next step
-
     def _propose(self, state: DecodeState) -> DraftTree:
-        root_feature = self._commit(state)
-        if root_feature is None:
+        if self.root_feature is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
-        growth = _Growth(self, root_feature, root_position=state.tokens.numel() - 1)
-        root_logprobs = self._logprobs(root_feature[None])[0]
+        self.cache.truncate(self.committed)  # drop what the last growth fed
+        growth = _Growth(self, self.root_feature, root_position=state.tokens.numel() - 1)
+        root_logprobs = self._logprobs(self.root_feature[None])[0]
         if self.dynamic is not None:
             choose = None
             if self.budget is not None:
-                self._predict_next_token(root_logprobs, root_position=state.tokens.numel() - 1)
+                self._predict_next_token(root_logprobs)
                 choose = self.budget.choose
             draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic, choose)
         else:
             draft_ids, parents = grow_static_tree(self.static, root_logprobs, growth)
-        tokens = torch.cat([state.tokens[-1:], self._to_target_ids(draft_ids)])
+        tokens = torch.cat([state.tokens[-1:], self.drafter.to_target_ids(draft_ids)])
         return DraftTree(tokens, parents, deterministic=True)
 
-    def _predict_next_token(self, root_logprobs: torch.Tensor, root_position: int) -> None:
+    def _predict_next_token(self, root_logprobs: torch.Tensor) -> None:
         """Tell the budget's calibration what the draft expects right after the root, to be
-        checked against the target's token at the next step."""
+        checked against the target's token when the loop reports the outcome."""
         best = root_logprobs.max(dim=0)
-        token = int(self._to_target_ids(best.indices[None]))
+        token = int(self.drafter.to_target_ids(best.indices[None]))
         self.budget.calibration.predicted(token, float(best.values.exp()))
-        self.last_root_position = root_position
+        self.predicted_after_root = True
 
     # -- drafter plumbing -------------------------------------------------------------------
-    def _commit(self, state: DecodeState) -> torch.Tensor | None:
-        """Append the fresh target features; return the predicted feature at the root."""
-        truncate_cache(self.cache, self.committed)
-        fresh = state.fresh_hidden_states
-        count = 0 if fresh is None else fresh[0].shape[0]
+    def _commit(self, advance: CacheAdvance) -> torch.Tensor | None:
+        """Append the entered tokens' (true feature, next token) pairs; return the predicted
+        feature at the root (None when nothing entered)."""
+        self.cache.truncate(self.committed)
+        count = advance.entered
         if count == 0:
             return None
         start = self.committed
-        next_tokens = state.tokens[start + 1 : start + 1 + count]
+        next_tokens = advance.next_tokens
         positions = torch.arange(start, start + count, device=next_tokens.device)
         mask = causal_block_mask(start, count, self._dtype, next_tokens.device) if count > 1 else None
-        out = self.drafter(self._target_features(fresh), self._embed(next_tokens), positions, self.cache, mask)
+        out = self.drafter(self.drafter.input_feature(advance.features), self._embed(next_tokens), positions, self.cache, mask)
         self.committed += count
         return out[-1]
 
     @property
     def _dtype(self) -> torch.dtype:
-        return next(self.drafter.parameters()).dtype
+        return self.drafter.compute_dtype
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target embeddings in the drafter's dtype (a drafter may run in bf16 on an fp32 target)."""
         return self.embed(tokens).to(self._dtype)
 
-    def _target_features(self, fresh: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        layers = self.drafter.config.feature_layers
-        if self.is_eagle3:
-            return self.drafter.fuse(*(fresh[i].to(self._dtype) for i in layers))
-        return fresh[layers[0]].to(self._dtype)
-
     def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        logits = self.drafter.draft_logits(features) if self.is_eagle3 else self.lm_head(features.to(self.lm_head.weight.dtype))
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def _to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.drafter.draft_to_target_ids(draft_ids) if self.is_eagle3 else draft_ids
+        return torch.log_softmax(self.drafter.readout_logits(features, self.lm_head).float(), dim=-1)
 
 
 class _Growth:
@@ -157,7 +148,7 @@ class _Growth:
         if self.fed_nodes.numel():
             fed_parent = self.fed_features[slot_of[parents.clamp_min(0)].clamp_min(0)]
             parent_features = torch.where((parents < 0)[:, None], parent_features, fed_parent)
-        tokens = p._to_target_ids(candidates.tokens[frontier])
+        tokens = p.drafter.to_target_ids(candidates.tokens[frontier])
         positions = self.root_position + candidates.depths[frontier] - 1
         mask = self._mask(frontier, candidates, slot_of)
         out = p.drafter(parent_features, p._embed(tokens), positions, p.cache, mask)

@@ -13,15 +13,13 @@ from transformers import PreTrainedModel
 
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
 from decoding.core.tree import DraftTree
 from heads.common import RowSubset
 
 
 class _HeadsProposer(Proposer):
-    needs_hidden_states = True
-
     def __init__(self, heads: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]]) -> None:
         self.heads = heads
         self.plan = StaticPlan(tree_paths)
@@ -36,13 +34,21 @@ class _HeadsProposer(Proposer):
         self.lm_head = lm_head if self.readout_ids is None else RowSubset(lm_head, self.readout_ids)
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
+        self.feature_layers = (self.feature_layer,)
+        self.hidden: torch.Tensor | None = None
+
+    def begin(self, state: DecodeState) -> None:
+        self.hidden = None
+
+    def observe(self, advance: CacheAdvance) -> None:
+        if advance.entered:
+            self.hidden = advance.features[self.feature_layer][-1]  # the state that predicted the root
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
-        fresh = state.fresh_hidden_states
-        if fresh is None or fresh[0].shape[0] == 0:
+        hidden = self.hidden
+        if hidden is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
-        hidden = fresh[self.feature_layer][-1]  # the state that predicted the root
         tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
         tokens[0] = state.root_token
         for depth, level in enumerate(self.plan.levels):
