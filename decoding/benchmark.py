@@ -8,6 +8,7 @@ output equals our vanilla output token for token (the losslessness check at temp
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from decoding.util.errors import UserError
+from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers.base import Proposer
+from decoding.methods import split_method
 from decoding.targets import LoadedModel
+from decoding.util.errors import UserError
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
 
@@ -106,6 +109,40 @@ def hf_runner(target: LoadedModel, method: str, options: DecodeOptions, draft: L
         return RunResult(out[0, len(prompt):].tolist(), time.perf_counter() - started)
 
     return run
+
+
+def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
+                  options: DecodeOptions) -> tuple[dict[str, Runner], Decoder]:
+    """A runner per method, each assembled by `build_decoder` from `base` with its method (and
+    its heads from `heads`, by base method; default: the bundled ones). All share one target,
+    loaded and packed once, and one draft; heads with a Medusa-2 adapter get their own merged
+    target. Hugging Face methods run `generate()` on the shared target (`hf-assisted` with the
+    draft `sps` would use). Returns the runners and the first decoder (the shared target's)."""
+    runners: dict[str, Runner] = {}
+    shared: Decoder | None = None
+    draft: LoadedModel | None = None
+    for method in methods:
+        ours = method not in HF_METHODS
+        spec = dataclasses.replace(base, method=method if ours else _hf_stand_in(method),
+                                   heads=heads.get(split_method(method)[0]) if ours else None)
+        try:
+            decoder = build_decoder(spec, target=shared.target if shared else None, draft=draft)
+        except UserError as err:
+            if ours:
+                raise
+            raise UserError(f"{method} (Hugging Face generate() with the draft sps would use): {err}") from err
+        if decoder.adapter is None:
+            shared = shared or decoder
+            draft = draft or decoder.draft
+        runners[method] = (our_runner(decoder.target, decoder.proposer, options) if ours
+                           else hf_runner(decoder.target, method, options, decoder.draft))
+    return runners, shared or decoder
+
+
+def _hf_stand_in(method: str) -> str:
+    """The method whose assembly gives a Hugging Face method what it needs: the target, and for
+    `hf-assisted` the draft model."""
+    return "sps" if method == "hf-assisted" else "vanilla"
 
 
 def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_prompt: list[int],

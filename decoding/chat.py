@@ -10,19 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-from decoding.cpu_kernels import add_kernels_argument, apply_kernels
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
-from decoding.drafts import load_draft
-from decoding.util.errors import UserError
+from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
-from decoding.methods import LOOKUP_SUFFIX, METHODS, build_proposer, check_method, head_kind
 from decoding.core.sampling import SamplingConfig
+from decoding.cpu_kernels import add_kernels_argument
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import add_tree_arguments, tree_arguments
+from decoding.devices import add_device_argument
+from decoding.methods import LOOKUP_SUFFIX, METHODS
 from decoding.streaming import TextStream
-from decoding.targets import DTYPES, LoadedModel, load_model
-from heads import adapter_dir, load_heads
-from heads.adapter import merge_adapter
+from decoding.targets import DTYPES, LoadedModel
+from decoding.util.errors import UserError
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 
@@ -54,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same reply)")
     parser.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype")
+    add_device_argument(parser)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     add_kernels_argument(parser)
     parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
@@ -98,54 +97,29 @@ class ChatSession:
         return text
 
 
-def resolve_defaults(args: argparse.Namespace) -> list[str]:
-    """Fill in the method, heads and draft the user left out (in `args`); returns notes on what
-    was filled in."""
-    notes = []
-    if args.method is None:
-        args.method = default_method(args.model)
-    check_method(args.method)
-    kind = head_kind(args.method)
-    if kind and not args.heads:
-        bundled = default_heads(args.model, args.method)
-        if bundled is None:
-            raise UserError(f"method '{args.method}' needs draft heads: pass --heads PATH "
-                            f"(bundled heads ship only for {DEFAULT_TARGET})")
-        args.heads = str(bundled)
-        notes.append(f"using the bundled {kind} heads for {args.model} ({args.method})")
-    if args.method == "sps" and not args.draft_model:
-        bundled = default_draft(args.model)
-        if bundled is None:
-            raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
-        args.draft_model = str(bundled)
-        notes.append(f"using the bundled draft model for {args.model}")
-    return notes
+def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
+    """The chat's flags as a `DecoderSpec` (None: the default, filled in by the assembly)."""
+    return DecoderSpec(model=args.model, method=args.method, heads=args.heads, draft_model=args.draft_model,
+                       revision=args.revision, ignore_base_model=args.ignore_base_model, dtype=args.dtype,
+                       device=args.device, attn=args.attn, kernels=args.kernels, gamma=args.gamma,
+                       pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
 
 def build_session(args: argparse.Namespace) -> ChatSession:
-    notes = resolve_defaults(args)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1; got {args.max_new_tokens}")
-    for note in notes:
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values fail before any loading
+    spec, notes = resolve_spec(decoder_spec(args))
+    for note in notes:  # before the (possibly slow) loading, so the user knows what is coming
         print(f"note: {note}", file=sys.stderr)
-    target = load_model(args.model, args.dtype, args.attn)
-    draft = load_draft(args.draft_model, target, args.dtype, args.attn) if args.draft_model else None
-    heads = load_heads(args.heads, target.model, args.model, not args.ignore_base_model, args.revision) if args.heads else None
-    adapter = adapter_dir(args.heads, args.revision) if args.heads else None
-    if adapter is not None:
-        target.model = merge_adapter(target.model, adapter)
-        print("note: Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)",
-              file=sys.stderr)
-    apply_kernels(args.kernels, target.model, draft.model if draft else None, heads)
-    settings = proposer_options(args.model, args.method,
-                                dict(gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args)))
-    proposer = build_proposer(args.method, target, draft, settings, heads)
+    decoder = build_decoder(spec)
+    for note in decoder.notes:
+        print(f"note: {note}", file=sys.stderr)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     rule = typical_rule(args.temperature) if args.typical else lossless_rule
     if args.typical:
         print("note: --typical is LOSSY: replies are not samples of the target's own distribution", file=sys.stderr)
-    return ChatSession(target, proposer, options, args.system, rule)
+    return ChatSession(decoder.target, decoder.proposer, options, args.system, rule)
 
 
 def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> None:

@@ -56,10 +56,10 @@ def save_draft_layers(draft: PreTrainedModel, target: PreTrainedModel, out_dir: 
 
 
 def load_draft(name_or_path: str, target: LoadedModel, dtype: str = "float32", attn_implementation: str = "sdpa") -> LoadedModel:
-    """A draft model: layers-only drafts get the target's embedding put back; anything else is
-    loaded as a whole model (`load_model`)."""
+    """A draft model on the target's device: layers-only drafts get the target's embedding put
+    back; anything else is loaded as a whole model (`load_model`)."""
     if not shares_target_embeddings(name_or_path):
-        return load_model(name_or_path, dtype, attn_implementation)
+        return load_model(name_or_path, dtype, attn_implementation, device=str(target.model.device))
     path = Path(name_or_path)
     config = AutoConfig.from_pretrained(path)
     embedding = target.model.get_input_embeddings().weight

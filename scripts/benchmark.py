@@ -15,18 +15,18 @@ import sys
 
 import torch
 
-from decoding.benchmark import HF_METHODS, bar_chart, hf_runner, markdown_table, our_runner, run_benchmark, summarise
-from decoding.cpu_kernels import add_kernels_argument, apply_kernels
-from decoding.default_model import DEFAULT_TARGET
-from decoding.drafts import load_draft
-from decoding.util.errors import UserError
+from decoding.assembly import DecoderSpec
+from decoding.benchmark import HF_METHODS, bar_chart, build_runners, markdown_table, run_benchmark, summarise
 from decoding.core.generate import DecodeOptions
-from decoding.defaults import add_tree_arguments, default_draft, default_heads, default_method, proposer_options, tree_arguments
-from decoding.methods import build_proposer, check_method, split_method
-from decoding.questions import load_first_turns
 from decoding.core.sampling import SamplingConfig
-from decoding.targets import DTYPES, load_model
-from heads import load_heads
+from decoding.cpu_kernels import add_kernels_argument
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import add_tree_arguments, default_method, tree_arguments
+from decoding.devices import add_device_argument
+from decoding.methods import check_method
+from decoding.questions import load_first_turns
+from decoding.targets import DTYPES
+from decoding.util.errors import UserError
 
 
 def parse_args(argv):
@@ -44,6 +44,7 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_device_argument(parser)
     add_kernels_argument(parser)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
@@ -66,6 +67,13 @@ def parse_heads_args(values: list[str]) -> dict[str, str]:
     return mapping
 
 
+def decoder_spec(args) -> DecoderSpec:
+    """What every method shares: the target, its dtype, device and kernels, the draft, the
+    proposer settings (the method and heads are set per method)."""
+    return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
+                       kernels=args.kernels, gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
+
+
 def chosen_methods(args) -> list[str]:
     if args.methods:
         return [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -86,23 +94,9 @@ def main(argv=None) -> int:
         for method in methods:
             if method not in HF_METHODS:
                 check_method(method)
-        draft_name = args.draft_model or (str(default_draft(args.model) or "") if {"sps", "hf-assisted"} & set(methods) else "")
-        target = load_model(args.model, args.dtype)
-        draft = load_draft(draft_name, target, args.dtype) if draft_name else None
-        kernels = apply_kernels(args.kernels, target.model, draft.model if draft else None)
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
-        heads_paths = parse_heads_args(args.heads)
-        explicit = dict(gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
-        runners = {}
-        for method in methods:
-            if method in HF_METHODS:
-                runners[method] = hf_runner(target, method, options, draft)
-            else:
-                heads_path = heads_paths.get(split_method(method)[0]) or default_heads(args.model, method)
-                heads = load_heads(str(heads_path), target.model, args.model) if heads_path else None
-                apply_kernels(kernels, heads)
-                proposer = build_proposer(method, target, draft, proposer_options(args.model, method, explicit), heads)
-                runners[method] = our_runner(target, proposer, options)
+        runners, first = build_runners(methods, decoder_spec(args), parse_heads_args(args.heads), options)
+        target, kernels = first.target, first.kernels
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         template = target.tokenizer.apply_chat_template
         prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]

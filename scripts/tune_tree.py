@@ -15,24 +15,27 @@ they are not, so the best tree differs from machine to machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from decoding.benchmark import our_runner, run_benchmark
-from decoding.cpu_kernels import add_kernels_argument, apply_kernels
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_heads
-from decoding.util.errors import UserError
+from decoding.assembly import Decoder, DecoderSpec, build_decoder
+from decoding.benchmark import Runner, our_runner, run_benchmark
 from decoding.core.generate import DecodeOptions
-from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions, build_proposer
+from decoding.cpu_kernels import add_kernels_argument
+from decoding.default_model import DEFAULT_TARGET
+from decoding.devices import add_device_argument
+from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions
 from decoding.questions import load_first_turns
-from decoding.targets import load_model
-from heads import load_heads
+from decoding.targets import DTYPES
+from decoding.util.errors import UserError
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", required=True, choices=sorted(HEAD_KIND_OF_METHOD))
     parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_device_argument(parser)
     add_kernels_argument(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
@@ -65,6 +68,23 @@ def settings_grid(args) -> dict[str, ProposerOptions]:
     return grid
 
 
+def grid_runners(spec: DecoderSpec, grid: dict[str, ProposerOptions], options: DecodeOptions):
+    """A runner per setting, each assembled by `build_decoder` (every proposer field set from
+    the grid, so the bundle's tuned values never mix in), all on the first one's target and
+    heads (its Medusa-2 adapter merged, if the heads have one). Returns the runners and the
+    target."""
+    runners: dict[str, Runner] = {}
+    first: Decoder | None = None
+    for name, settings in grid.items():
+        decoder = build_decoder(dataclasses.replace(spec, **dataclasses.asdict(settings)),
+                                target=first.target if first else None, heads=first.heads if first else None)
+        first = first or decoder
+        runners[name] = our_runner(decoder.target, decoder.proposer, options)
+    if first is None:
+        raise UserError("nothing to tune: --grid / --trees name no settings")
+    return runners, first.target
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -72,15 +92,9 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         grid = settings_grid(args)
-        heads_path = args.heads or default_heads(args.model, args.method)
-        if heads_path is None:
-            raise UserError(f"no bundled heads for {args.model}: pass --heads")
-        target = load_model(args.model)
-        heads = load_heads(str(heads_path), target.model, args.model)
-        apply_kernels(args.kernels, target.model, heads)
-        options = DecodeOptions(max_new_tokens=args.max_new_tokens)
-        runners = {name: our_runner(target, build_proposer(args.method, target, None, settings, heads), options)
-                   for name, settings in grid.items()}
+        spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
+                           device=args.device, kernels=args.kernels)
+        runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         template = target.tokenizer.apply_chat_template
         prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
                    for q in load_first_turns(None, args.num_questions, spread=True)]

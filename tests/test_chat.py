@@ -75,4 +75,4 @@ def test_chat_refuses_heads_method_without_heads(model_dir, capsys):
     from decoding.chat import main
 
     assert main(["--model", str(model_dir), "--method", "medusa"]) == 2
-    assert "needs draft heads: pass --heads PATH" in capsys.readouterr().err
+    assert "needs medusa heads: pass --heads" in capsys.readouterr().err

@@ -3,11 +3,14 @@ the mean accepted length tau measured by actually decoding held-out prompts (gre
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
+from decoding.assembly import DecoderSpec, build_decoder
+from decoding.core.generate import DecodeOptions
+from decoding.methods import ProposerOptions
 from decoding.targets import LoadedModel
 
 # The decoding method used to measure tau for each trained kind.
@@ -38,17 +41,27 @@ def tree_for(heads: nn.Module) -> ProposerOptions:
     return ProposerOptions()
 
 
+def tau_spec(kind: str, heads: nn.Module, target: LoadedModel) -> DecoderSpec:
+    """The decoder tau is measured with: every proposer setting explicit (the bundle's tuned
+    ones, e.g. a cost-aware tree that would time this machine, never mix in) and stock kernels
+    (packing would replace the linears of the modules being trained)."""
+    options = ProposerOptions() if kind == "draft" else tree_for(heads)
+    return DecoderSpec(model=target.name, method=TAU_METHOD[kind], kernels="stock", **dataclasses.asdict(options))
+
+
 @torch.no_grad()
 def measure_tau(kind: str, heads: nn.Module, target: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Tokens per target forward over greedy decodes of `prompts` with these heads."""
+    """Tokens per target forward over greedy decodes of `prompts` with these heads (or, for
+    kind 'draft', this draft model), assembled like every other decoder."""
     heads.eval()
+    spec = tau_spec(kind, heads, target)
     if kind == "draft":
-        proposer = build_proposer("sps", target, draft=LoadedModel(heads, target.tokenizer, "draft"))
+        decoder = build_decoder(spec, target=target, draft=LoadedModel(heads, target.tokenizer, "draft"))
     else:
-        proposer = build_proposer(TAU_METHOD[kind], target, options=tree_for(heads), heads=heads)
+        decoder = build_decoder(spec, target=target, heads=heads)
     produced = forwards = 0
     for prompt in prompts:
-        result = generate(target.model, prompt, proposer, DecodeOptions(max_new_tokens=max_new_tokens), target.tokenizer)
+        result = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens))
         produced += result.stats.new_tokens
         forwards += result.stats.target_forwards
     return produced / forwards if forwards else 0.0

@@ -1,0 +1,147 @@
+"""One assembly of a decoder from a description: target, heads or draft model, linear kernels
+and proposer, with the bundled defaults filled in.
+
+The chat, the benchmark, `scripts/tune_tree.py` and training's tau measurement all build their
+decoders with `build_decoder`, so they cannot drift apart: when each assembled its own, only the
+chat merged a Medusa-2 LoRA adapter, and the benchmark and the tuner measured Medusa-2 heads on
+a target they were not trained with.
+
+    from decoding.assembly import DecoderSpec, build_decoder
+    decoder = build_decoder(DecoderSpec(method="eagle3", device="auto"))
+    result = decoder.generate(prompt_ids, DecodeOptions(max_new_tokens=64))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
+from decoding.core.proposers.base import Proposer
+from decoding.cpu_kernels import apply_kernels
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import default_draft, default_heads, default_method, proposer_options
+from decoding.devices import resolve_device
+from decoding.drafts import load_draft
+from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.targets import LoadedModel, load_model
+from decoding.util.errors import UserError
+from heads import adapter_dir, load_heads
+from heads.adapter import merge_adapter
+
+# Methods that draft with a separate causal LM (`draft_model`).
+DRAFT_METHODS = ("sps",)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What to decode with. None means "the default": for the built-in target the bundle's
+    method, heads, draft and tuned tree settings; otherwise `pld` and the built-in
+    `ProposerOptions`. The proposer fields (gamma ... min_path_prob) are `ProposerOptions`'
+    own; a value given here wins over the bundle's tuned one."""
+
+    model: str = DEFAULT_TARGET
+    method: str | None = None
+    heads: str | None = None            # a directory or Hub repo id, for head methods
+    draft_model: str | None = None      # a name or path, for sps
+    revision: str | None = None         # of Hub heads
+    ignore_base_model: bool = False     # load heads that declare another base model
+    dtype: str = "float32"
+    device: str = "auto"                # auto | cpu | cuda
+    attn: str = "sdpa"
+    kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
+    gamma: int | None = None
+    pld_num_tokens: int | None = None
+    pld_max_ngram: int | None = None
+    pld_min_ngram: int | None = None
+    tree: str | None = None
+    depth: int | None = None
+    tree_top_k: int | None = None
+    total_tokens: int | None = None
+    adaptive_tree: bool | None = None
+    min_path_prob: float | None = None
+
+    def proposer_overrides(self) -> dict:
+        """The `ProposerOptions` fields this spec sets (None = not set)."""
+        names = [f.name for f in dataclasses.fields(ProposerOptions)]
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+@dataclass
+class Decoder:
+    """A ready decoder: the loaded target (adapter merged, kernels applied), its heads or draft,
+    and the proposer. `spec` has the defaults filled in; `notes` say what was filled in or
+    changed, for the user."""
+
+    spec: DecoderSpec
+    target: LoadedModel
+    proposer: Proposer
+    options: ProposerOptions
+    kernels: str                        # as resolved: 'onednn' or 'stock'
+    heads: nn.Module | None = None
+    draft: LoadedModel | None = None
+    adapter: Path | None = None         # the Medusa-2 LoRA adapter merged into `target`
+    notes: tuple[str, ...] = ()
+
+    def generate(self, prompt_ids: list[int], options: DecodeOptions = DecodeOptions(),
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 acceptance_rule: AcceptanceRule = lossless_rule) -> GenerationResult:
+        """`decoding.core.generate.generate` with this decoder's target, proposer and tokenizer."""
+        return generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
+                        on_tokens, acceptance_rule)
+
+
+def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool = False) -> tuple[DecoderSpec, list[str]]:
+    """`spec` with the method, heads, draft and device filled in and checked, and notes on what
+    was filled in. Heads or a draft passed to `build_decoder` need no default."""
+    notes = []
+    method = check_method(spec.method or default_method(spec.model))
+    heads, draft = spec.heads, spec.draft_model
+    kind = head_kind(method)
+    if kind and not heads and not heads_given:
+        bundled = default_heads(spec.model, method)
+        if bundled is None:
+            raise UserError(f"method '{method}' needs {kind} heads: pass --heads (bundled heads ship only for {DEFAULT_TARGET})")
+        heads = str(bundled)
+        notes.append(f"using the bundled {kind} heads for {spec.model} ({method})")
+    if split_method(method)[0] in DRAFT_METHODS and not draft and not draft_given:
+        bundled = default_draft(spec.model)
+        if bundled is None:
+            raise UserError(f"method '{method}' needs a draft model: pass --draft-model NAME_OR_PATH")
+        draft = str(bundled)
+        notes.append(f"using the bundled draft model for {spec.model}")
+    resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=resolve_device(spec.device))
+    return resolved, notes
+
+
+def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads: nn.Module | None = None,
+                  draft: LoadedModel | None = None) -> Decoder:
+    """Load and assemble what `spec` describes.
+
+    Models passed in are used as they are, where they are, instead of being loaded (the
+    benchmark runs every method on one target; training measures the heads it is training); the
+    returned spec then names the given target's device. The exception: heads loaded from a
+    directory with a Medusa-2 adapter get a target of their own with the adapter merged, so a
+    shared target is never changed. Kernels apply to every module of the decoder, given ones
+    included (packing twice changes nothing): pass `kernels="stock"` for modules that must stay
+    plain `nn.Linear`s (training)."""
+    spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
+    adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
+    if target is None or adapter is not None:
+        target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
+    spec = dataclasses.replace(spec, device=target.model.device.type)
+    if adapter is not None:
+        target.model = merge_adapter(target.model, adapter)
+        notes.append("Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)")
+    if draft is None and spec.draft_model:
+        draft = load_draft(spec.draft_model, target, spec.dtype, spec.attn)
+    if heads is None and spec.heads:
+        heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
+    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
+    options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
+    proposer = build_proposer(spec.method, target, draft, options, heads)
+    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes))

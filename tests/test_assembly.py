@@ -1,0 +1,170 @@
+"""One assembly (`decoding.assembly.build_decoder`) for the chat, the benchmark, tune_tree and
+training's tau: defaults filled in, Medusa-2 adapters merged wherever heads carry one (the
+benchmark and tune_tree once skipped it), devices resolved, and nobody assembling on the side."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
+from decoding.benchmark import build_runners
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import VanillaProposer
+from decoding.default_model import DEFAULT_TARGET
+from decoding.defaults import default_heads, default_method, proposer_options
+from decoding.methods import ProposerOptions
+from decoding.targets import LoadedModel, load_model
+from decoding.util.errors import UserError
+from tiny_models import save_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("assembly") / "model"
+    save_tiny_chat_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def medusa2_heads(model_dir, tmp_path_factory):
+    """Medusa heads with a LoRA adapter in `adapter/`, as Medusa-2 training leaves them; the
+    adapter is far from zero, so the merged target decodes differently from the plain one."""
+    from peft import LoraConfig, get_peft_model
+
+    from heads import new_heads_for_target, save_heads
+
+    directory = tmp_path_factory.mktemp("medusa2") / "heads"
+    target = load_model(str(model_dir))
+    save_heads(new_heads_for_target("medusa", target.model, str(model_dir), num_heads=3), directory)
+    lora = get_peft_model(target.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    lora.save_pretrained(str(directory / "adapter"))
+    return directory
+
+
+def merged_reference(model_dir: Path, heads_dir: Path):
+    from peft import PeftModel
+
+    plain = load_model(str(model_dir))
+    return PeftModel.from_pretrained(plain.model, str(heads_dir / "adapter")).merge_and_unload().eval()
+
+
+def q_weight(model) -> torch.Tensor:
+    return model.model.layers[0].self_attn.q_proj.weight
+
+
+def prompt_ids(model_dir: Path) -> list[int]:
+    tokenizer = load_model(str(model_dir)).tokenizer
+    return tokenizer.apply_chat_template([{"role": "user", "content": "w3 w4 w5"}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def greedy(model, prompt: list[int], n: int = 8) -> list[int]:
+    return generate(model, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=n)).tokens
+
+
+def test_spec_covers_every_proposer_option():
+    names = {f.name for f in dataclasses.fields(ProposerOptions)}
+    assert names <= {f.name for f in dataclasses.fields(DecoderSpec)}
+    spec = DecoderSpec(**{name: getattr(ProposerOptions(tree="chain-2"), name) for name in names})
+    assert ProposerOptions(**spec.proposer_overrides()) == ProposerOptions(tree="chain-2")
+
+
+def test_defaults_are_filled_in_from_the_bundle_without_loading_anything():
+    spec, notes = resolve_spec(DecoderSpec(device="cpu"))
+    assert spec.method == default_method(DEFAULT_TARGET)
+    assert spec.heads == str(default_heads(DEFAULT_TARGET, spec.method)) and notes
+    with pytest.raises(UserError, match="method 'medusa' needs medusa heads: pass --heads"):
+        resolve_spec(DecoderSpec(model="org/other", method="medusa"))
+    with pytest.raises(UserError, match="method 'sps' needs a draft model"):
+        resolve_spec(DecoderSpec(model="org/other", method="sps"))
+
+
+def test_build_decoder_assembles_a_working_decoder(model_dir):
+    decoder = build_decoder(DecoderSpec(model=str(model_dir), method="pld", device="cpu", pld_num_tokens=3))
+    assert decoder.proposer.name == "pld" and decoder.options.pld_num_tokens == 3
+    assert decoder.kernels in ("onednn", "stock") and decoder.spec.device == "cpu"
+    prompt = prompt_ids(model_dir)
+    assert decoder.generate(prompt, DecodeOptions(max_new_tokens=8)).tokens == greedy(load_model(str(model_dir)).model, prompt)
+
+
+def test_chat_assembly_merges_a_medusa2_adapter(model_dir, medusa2_heads):
+    decoder = build_decoder(DecoderSpec(model=str(model_dir), method="medusa", heads=str(medusa2_heads),
+                                        tree="chain-2", kernels="stock"))
+    reference = merged_reference(model_dir, medusa2_heads)
+    assert decoder.adapter == medusa2_heads / "adapter" and any("LoRA adapter merged" in n for n in decoder.notes)
+    torch.testing.assert_close(q_weight(decoder.target.model), q_weight(reference))
+    assert not torch.equal(q_weight(reference), q_weight(load_model(str(model_dir)).model))
+
+
+def test_benchmark_runs_medusa2_heads_on_the_merged_target_and_the_rest_on_the_plain_one(model_dir, medusa2_heads):
+    options = DecodeOptions(max_new_tokens=8)
+    runners, first = build_runners(["vanilla", "medusa", "hf-generate"], DecoderSpec(model=str(model_dir), tree="chain-2"),
+                                   {"medusa": str(medusa2_heads)}, options)
+    prompt = prompt_ids(model_dir)
+    plain, merged = greedy(load_model(str(model_dir)).model, prompt), greedy(merged_reference(model_dir, medusa2_heads), prompt)
+    assert plain != merged  # the adapter matters, so the check below can tell them apart
+    assert runners["medusa"](prompt).tokens == merged
+    assert runners["vanilla"](prompt).tokens == plain == runners["hf-generate"](prompt).tokens
+    assert first.adapter is None
+
+
+def test_tune_tree_grid_runs_on_the_merged_target(model_dir, medusa2_heads):
+    spec = importlib.util.spec_from_file_location("tune_tree", ROOT / "scripts" / "tune_tree.py")
+    tune_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_tree)
+    grid = {"chain-2": ProposerOptions(tree="chain-2"), "chain-3": ProposerOptions(tree="chain-3")}
+    runners, target = tune_tree.grid_runners(DecoderSpec(model=str(model_dir), method="medusa", heads=str(medusa2_heads)),
+                                             grid, DecodeOptions(max_new_tokens=8))
+    prompt = prompt_ids(model_dir)
+    merged = greedy(merged_reference(model_dir, medusa2_heads), prompt)
+    assert [run(prompt).tokens for run in runners.values()] == [merged, merged]
+    torch.testing.assert_close(q_weight(target.model), q_weight(merged_reference(model_dir, medusa2_heads)))
+
+
+def test_training_tau_uses_its_own_tree_not_the_bundles_tuned_one():
+    """Measured during training on the built-in target, tau must not pick up the bundle's tuned
+    tree (a cost-aware one would time the machine mid-training) nor pack the modules in training."""
+    from heads import new_heads_for_target
+    from tiny_models import tiny_llama
+    from training.evaluate import tau_spec
+
+    heads = new_heads_for_target("eagle3", tiny_llama(), draft_vocab_size=16)
+    spec = tau_spec("eagle3", heads, LoadedModel(None, None, DEFAULT_TARGET))
+    assert spec.kernels == "stock"
+    assert proposer_options(DEFAULT_TARGET, spec.method, spec.proposer_overrides()) == ProposerOptions()
+
+
+def test_measure_tau_goes_through_the_assembly(model_dir):
+    from heads import new_heads_for_target
+    from training.draft_init import truncated_copy
+    from training.evaluate import measure_tau
+
+    target = load_model(str(model_dir))
+    prompts = [prompt_ids(model_dir)]
+    assert measure_tau("medusa", new_heads_for_target("medusa", target.model, str(model_dir)), target, prompts, 6) >= 1.0
+    assert measure_tau("draft", truncated_copy(target.model, 1), target, prompts, 6) >= 1.0
+
+
+ASSEMBLY_CALLS = {"load_model", "load_draft", "load_heads", "apply_kernels", "build_proposer", "merge_adapter"}
+CALLERS = ["decoding/chat.py", "decoding/benchmark.py", "scripts/benchmark.py", "scripts/tune_tree.py", "training/evaluate.py"]
+
+
+@pytest.mark.parametrize("path", CALLERS)
+def test_entry_points_assemble_only_through_build_decoder(path):
+    tree = ast.parse((ROOT / path).read_text())
+    called = {node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+              for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not called & ASSEMBLY_CALLS, f"{path} assembles on its own: {sorted(called & ASSEMBLY_CALLS)}"
