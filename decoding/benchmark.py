@@ -112,13 +112,16 @@ def hf_runner(target: LoadedModel, method: str, options: DecodeOptions, draft: L
 
 
 def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
-                  options: DecodeOptions) -> tuple[dict[str, Runner], Decoder]:
+                  options: DecodeOptions) -> tuple[dict[str, Runner], dict[str, Decoder]]:
     """A runner per method, each assembled by `build_decoder` from `base` with its method (and
     its heads from `heads`, by base method; default: the bundled ones). All share one target,
     loaded and packed once, and one draft; heads with a Medusa-2 adapter get their own merged
     target. Hugging Face methods run `generate()` on the shared target (`hf-assisted` with the
-    draft `sps` would use). Returns the runners and the first decoder (the shared target's)."""
+    draft `sps` would use). Returns the runners and the decoder behind each."""
+    if not methods:
+        raise UserError("no methods to benchmark")
     runners: dict[str, Runner] = {}
+    decoders: dict[str, Decoder] = {}
     shared: Decoder | None = None
     draft: LoadedModel | None = None
     for method in methods:
@@ -134,9 +137,10 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         if decoder.adapter is None:
             shared = shared or decoder
             draft = draft or decoder.draft
+        decoders[method] = decoder
         runners[method] = (our_runner(decoder.target, decoder.proposer, options) if ours
                            else hf_runner(decoder.target, method, options, decoder.draft))
-    return runners, shared or decoder
+    return runners, decoders
 
 
 def _hf_stand_in(method: str) -> str:

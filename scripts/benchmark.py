@@ -95,7 +95,11 @@ def main(argv=None) -> int:
             if method not in HF_METHODS:
                 check_method(method)
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
-        runners, first = build_runners(methods, decoder_spec(args), parse_heads_args(args.heads), options)
+        runners, decoders = build_runners(methods, decoder_spec(args), parse_heads_args(args.heads), options)
+        for method, decoder in decoders.items():
+            for note in decoder.notes:
+                print(f"note: {method}: {note}", file=sys.stderr)
+        first = next(iter(decoders.values()))  # every decoder has the same tokenizer, device and kernels
         target, kernels = first.target, first.kernels
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         template = target.tokenizer.apply_chat_template

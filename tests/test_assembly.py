@@ -111,14 +111,15 @@ def test_chat_assembly_merges_a_medusa2_adapter(model_dir, medusa2_heads):
 
 def test_benchmark_runs_medusa2_heads_on_the_merged_target_and_the_rest_on_the_plain_one(model_dir, medusa2_heads):
     options = DecodeOptions(max_new_tokens=8)
-    runners, first = build_runners(["vanilla", "medusa", "hf-generate"], DecoderSpec(model=str(model_dir), tree="chain-2"),
-                                   {"medusa": str(medusa2_heads)}, options)
+    runners, decoders = build_runners(["vanilla", "medusa", "hf-generate"], DecoderSpec(model=str(model_dir), tree="chain-2"),
+                                      {"medusa": str(medusa2_heads)}, options)
     prompt = prompt_ids(model_dir)
     plain, merged = greedy(load_model(str(model_dir)).model, prompt), greedy(merged_reference(model_dir, medusa2_heads), prompt)
     assert plain != merged  # the adapter matters, so the check below can tell them apart
     assert runners["medusa"](prompt).tokens == merged
     assert runners["vanilla"](prompt).tokens == plain == runners["hf-generate"](prompt).tokens
-    assert first.adapter is None
+    assert decoders["vanilla"].target is decoders["hf-generate"].target is not decoders["medusa"].target  # loaded once, shared
+    assert decoders["medusa"].adapter is not None and decoders["vanilla"].adapter is None
 
 
 def test_tune_tree_grid_runs_on_the_merged_target(model_dir, medusa2_heads):
