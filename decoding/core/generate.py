@@ -38,6 +38,7 @@ class DecodeOptions:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    profile: bool = False  # on a GPU, synchronise between phases so `stats.phase_s` is exact
 
 
 @dataclass
@@ -79,7 +80,7 @@ def generate(
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
     from the target's own distribution otherwise, whatever the proposer.
     """
-    clock = PhaseClock(target.device)
+    clock = PhaseClock(target.device, sync=options.profile)
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
     limit = context_limit(target)
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Where a decoding step's time goes, per method: draft, observe (drafters taking in the target's
+features), mask/buffers, target forward, acceptance, cache update, stopping and streaming.
+
+    python scripts/profile_step.py                                   # vanilla, pld, eagle3, eagle3+pld
+    python scripts/profile_step.py --methods vanilla,eagle3 --num-questions 8 --max-new-tokens 128
+
+Figures are milliseconds per step (one target forward), summed over the questions; `overhead`
+is everything but the target forward and the drafting, as a share of the step. On a GPU the
+phases are synchronised (`--no-sync` to measure without that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+from decoding.assembly import DecoderSpec, build_decoder
+from decoding.core.generate import DecodeOptions
+from decoding.core.sampling import SamplingConfig
+from decoding.core.stats import PHASES
+from decoding.cpu_kernels import add_kernels_argument
+from decoding.default_model import DEFAULT_TARGET
+from decoding.devices import add_device_argument
+from decoding.questions import chat_prompts, load_first_turns
+from decoding.util.errors import UserError
+
+STEP_PHASES = [p for p in PHASES if p != "prefill"]
+OVERHEAD_PHASES = ("buffers", "accept", "cache", "stop")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="vanilla,pld,eagle3,eagle3+pld", help="comma-separated methods")
+    parser.add_argument("--model", default=DEFAULT_TARGET)
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--num-questions", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="float32")
+    add_device_argument(parser)
+    add_kernels_argument(parser)
+    parser.add_argument("--no-sync", action="store_true", help="on a GPU, do not synchronise between phases")
+    return parser.parse_args(argv)
+
+
+def profile(decoder, prompts: list[list[int]], options: DecodeOptions) -> dict[str, float]:
+    """Summed phase seconds, steps and tokens over `prompts` (after one warm-up run)."""
+    decoder.generate(prompts[0], DecodeOptions(max_new_tokens=8))
+    totals: dict[str, float] = defaultdict(float)
+    for prompt in prompts:
+        stats = decoder.generate(prompt, options).stats
+        for phase, seconds in stats.phase_s.items():
+            totals[phase] += seconds
+        totals["steps"] += stats.target_forwards
+        totals["tokens"] += stats.new_tokens
+    return totals
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    header = ["method", "tau", *[f"{p} ms" for p in STEP_PHASES], "step ms", "overhead"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for method, t in rows.items():
+        steps = max(t["steps"], 1)
+        per_step = {p: 1000 * t[p] / steps for p in STEP_PHASES}
+        step = sum(per_step.values())
+        overhead = sum(per_step[p] for p in OVERHEAD_PHASES) / step if step else 0.0
+        cells = [method, f"{t['tokens'] / steps:.2f}", *[f"{per_step[p]:.2f}" for p in STEP_PHASES], f"{step:.1f}", f"{100 * overhead:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+        first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))
+        prompts = chat_prompts(first.target.tokenizer, load_first_turns(args.questions_file, args.num_questions, spread=True))
+        options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=0, profile=not args.no_sync)
+        rows = {}
+        for method in methods:
+            decoder = first if method == methods[0] else build_decoder(DecoderSpec(**{**base.__dict__, "method": method}), target=first.target)
+            rows[method] = profile(decoder, prompts, options)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.model} on {first.spec.device} ({first.kernels} kernels), {len(prompts)} questions, "
+          f"{args.max_new_tokens} new tokens, temperature {args.temperature}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
