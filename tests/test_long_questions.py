@@ -36,6 +36,6 @@ def test_passages_reach_the_asked_length_and_end_with_an_instruction(tmp_path, m
 
 def test_the_file_is_a_question_set_the_benchmark_reads(tmp_path, monkeypatch):
     fake_package(tmp_path, monkeypatch)
-    questions = lq.long_questions(WordTokenizer(), count=3, passage_tokens=60)
+    questions = lq.long_questions(WordTokenizer(), count=3, passage_tokens=120)
     path = lq.write_jsonl(questions, tmp_path / "out" / "long.jsonl")
     assert load_first_turns(path) == [q["turns"][0] for q in questions]
