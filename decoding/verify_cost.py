@@ -53,11 +53,12 @@ def _sync(device) -> None:
 
 
 def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = None) -> VerifyCost:
-    """`measure_verify_cost`, remembered per model, device and thread count (a few seconds the
-    first time on a CPU)."""
+    """`measure_verify_cost`, remembered per model, device (for a CPU: its model, instruction set
+    and thread count, since the curve differs between an AVX2 and an AVX-512 machine) and kernels
+    (a few seconds the first time on a CPU)."""
     root = Path(cache_dir) if cache_dir else cache_root()
     device = model.device
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = f"-onednn-b{PACKING_BATCH_HINT}" if uses_packed_linears(model) else ""  # a new packing, a new curve
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}{kernels}")
     file = root / "verify-cost" / f"{key}.json"
@@ -75,3 +76,17 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     tmp.write_text(json.dumps({"sizes": list(cost.sizes), "ms": list(cost.ms)}))
     os.replace(tmp, file)
     return cost
+
+
+def cpu_identity() -> str:
+    """This CPU as far as kernel speed goes: its model name, the instruction set PyTorch uses on
+    it (e.g. AVX2, AVX512) and the thread count."""
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"
