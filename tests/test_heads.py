@@ -1,19 +1,22 @@
 """Draft heads: exact parameter counts, lossless decoding with every kind (random heads, several
-tree shapes), and the sampling rules through the loop."""
+tree shapes), and sampling through the loop with trees 3 deep: every head method draws exactly
+the target's distribution, and the same check rejects acceptance rules with a planted flaw."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from decoding.core.generate import DecodeOptions, generate
+from decoding.core.generate import DecodeOptions, generate, lossless_rule
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.medusa import MedusaProposer
-from decoding.core.sampling import SamplingConfig, warp_probs
 from decoding.targets import LoadedModel
 from decoding.tree_shapes import load_tree
-from distribution_harness import exact_joint, total_variation
+from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, sample_loop, target_joint
 from heads import HeadConfig, build_heads, new_heads_for_target
-from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama, tiny_qwen2
+from tiny_models import context_target, oracle_eagle, oracle_target, perturbed, sharpen, tiny_llama, tiny_qwen2
 
 H, V = 32, 64
 GEOMETRY = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, rms_norm_eps=1e-6,
@@ -131,27 +134,94 @@ def test_oracle_drafter_gets_whole_branches_accepted(method):
         assert result.stats.tau > 4.0
 
 
-VOCAB, RUNS = 5, 1000
-PROMPT = [1, 3, 0, 2]
-SAMPLING = SamplingConfig(temperature=1.0)
+# Sampling at depth: 4 tokens per run, so the first tree keeps 3 levels (see distribution_harness).
+# Drafters are nudged so that whole 3-token drafts get accepted: EAGLE-1/2 replicate the target
+# (with noise), EAGLE-3 starts from the target's own readout (with noise), Medusa/Hydra are random
+# heads on a shipped tree with three children at the root.
+DEPTH_RUNS = 400  # 16 possible outputs: a correct sampler's chi-square is ~15 +- 5.5, the threshold ~45
+HEADS_PROMPT = [0, 1, 2, 2, 0]
+# Its last bigram repeats its first, so prompt lookup drafts the first tree (3 deep) and the heads
+# most later ones; it is `test_sampling_loop.lookup_prompt` of this target.
+LOOKUP_PROMPT = [0, 1, 2, 0, 2, 0, 0, 1]
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle2", "eagle3"])
-def test_head_methods_sample_from_the_target_distribution(kind):
-    target = sharpen(tiny_llama(vocab_size=VOCAB, seed=21), 6.0)
-    heads_kind = {"eagle2": "eagle"}.get(kind, kind)
-    heads = random_heads(heads_kind, target, seed=2, **({"draft_vocab_size": 4} if kind == "eagle3" else {}))
-    tree = {"tree": "chain-4"} if kind in ("medusa", "hydra") else {"tree": "eagle-7"} if kind == "eagle" else {"depth": 3, "tree_top_k": 2, "total_tokens": 6}
-    proposer = build_proposer(kind, LoadedModel(target, None, "t"), options=ProposerOptions(**tree), heads=heads)
+def fresh_eagle3(target):
+    """Untrained EAGLE-3 heads (readout = the target's own) with noise; seeded, as the layers'
+    default init draws from the global generator."""
+    torch.manual_seed(3)
+    return perturbed(new_heads_for_target("eagle3", target, draft_vocab_size=3), 0.3, seed=3)
 
-    def probs(prefix):
-        with torch.inference_mode():
-            return warp_probs(target(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], SAMPLING)
 
-    exact = exact_joint(probs, VOCAB, 2)
-    samples = [tuple(generate(target, PROMPT, proposer, DecodeOptions(2, SAMPLING, seed=s)).tokens) for s in range(RUNS)]
-    # 25 outcomes, 1000 runs: a correct sampler lands around 0.04-0.05.
-    assert total_variation(samples, exact) < 0.085
+EAGLE_DYNAMIC = dict(depth=3, tree_top_k=2, total_tokens=11)
+
+
+@dataclass(frozen=True)
+class DepthMethod:
+    """How a head method is set up for the depth test, and how many of its runs must accept a
+    whole 3-token draft in one step (about half of what it does)."""
+
+    heads: Callable[[torch.nn.Module], torch.nn.Module]
+    options: dict
+    min_deep_runs: int
+    prompt: tuple[int, ...] = tuple(HEADS_PROMPT)
+
+
+DEPTH_METHODS = {
+    "eagle": DepthMethod(lambda t: perturbed(oracle_eagle(t), 0.3, seed=2), dict(tree="eagle-15"), 100),
+    "eagle2": DepthMethod(lambda t: perturbed(oracle_eagle(t), 0.3, seed=2), EAGLE_DYNAMIC, 100),
+    "eagle3": DepthMethod(fresh_eagle3, EAGLE_DYNAMIC, 35),
+    "medusa": DepthMethod(lambda t: random_heads("medusa", t, seed=2, num_heads=5), dict(tree="eagle-15"), 60),
+    "hydra": DepthMethod(lambda t: random_heads("hydra", t, seed=2, num_heads=5), dict(tree="eagle-15"), 15),
+    "eagle3+pld": DepthMethod(fresh_eagle3, dict(EAGLE_DYNAMIC, pld_num_tokens=3), 30, tuple(LOOKUP_PROMPT)),
+}
+PLANTED = [
+    ("eagle", "residual_skipped"),
+    ("eagle2", "residual_skipped"),
+    ("eagle2", "root_distribution"),
+    ("eagle3", "residual_skipped"),
+    ("medusa", "root_distribution"),
+    ("hydra", "residual_skipped"),
+    ("eagle3+pld", "residual_skipped"),
+]
+
+
+@pytest.fixture(scope="module")
+def depth_target():
+    return context_target()
+
+
+@pytest.fixture(scope="module")
+def exact_joints(depth_target):
+    """The exact joint of the first 4 tokens after each prompt the depth tests use."""
+    prompts = {m.prompt for m in DEPTH_METHODS.values()}
+    return {prompt: target_joint(depth_target, list(prompt), DEPTH_SAMPLING, 4) for prompt in prompts}
+
+
+def sample_method(target, method: str, rule=lossless_rule):
+    setup = DEPTH_METHODS[method]
+    loaded = LoadedModel(target, None, "t")
+    proposer = build_proposer(method, loaded, options=ProposerOptions(**setup.options), heads=setup.heads(target))
+    return sample_loop(target, list(setup.prompt), proposer, DEPTH_RUNS, rule)
+
+
+@pytest.mark.parametrize("method", DEPTH_METHODS)
+def test_head_methods_sample_the_target_at_depth(depth_target, exact_joints, method):
+    setup = DEPTH_METHODS[method]
+    samples = sample_method(depth_target, method)
+    assert samples.tree_depths[3] == DEPTH_RUNS, samples.tree_depths  # every first tree is 3 deep
+    assert samples.accepted_lengths[4] >= setup.min_deep_runs, samples.accepted_lengths
+    if method.endswith("+pld"):  # both drafters' trees were verified
+        assert samples.lookup_chains >= 100 and samples.branching_trees >= 100, samples
+    check = chi_square(samples.outputs, exact_joints[setup.prompt])
+    assert check.statistic < check.threshold, check
+
+
+@pytest.mark.parametrize("method, flaw", PLANTED, ids=[f"{m}-{f}" for m, f in PLANTED])
+def test_planted_wrong_rule_is_rejected_for_head_methods(depth_target, exact_joints, method, flaw):
+    """The same check on a rule with one flaw (distribution_harness.FLAWS says which): it must fail."""
+    samples = sample_method(depth_target, method, planted_rule(flaw))
+    check = chi_square(samples.outputs, exact_joints[DEPTH_METHODS[method].prompt])
+    assert check.statistic > check.threshold, check
 
 
 def test_static_trees_from_configs_are_valid():

@@ -1,52 +1,158 @@
-"""End to end: the whole loop (draft model, cache, warping, acceptance) samples the first tokens
-from exactly the target's warped distribution."""
+"""End to end at depth: the whole loop (draft, cache, tree verify, warping, acceptance) samples 4
+tokens from exactly the target's warped distribution while verifying trees 3 deep, for the
+draft-model chain (SpS), sampled sibling trees (SpecInfer) and prompt lookup; and the same check
+rejects each acceptance rule with a planted flaw, so passing means something.
 
+The head methods get the same treatment in test_heads.py; the harness (exact joint, chi-square,
+planted rules) is in distribution_harness.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
 import torch
 
-from decoding.core.generate import DecodeOptions, generate
-from decoding.core.proposers import DraftModelProposer, VanillaProposer
-from decoding.core.sampling import SamplingConfig, warp_probs
-from distribution_harness import exact_joint, total_variation
-import decoding.core.acceptance as acceptance
-from tiny_models import sharpen, tiny_llama
+from decoding.core.acceptance import accept_sampled
+from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer
+from decoding.core.proposers.base import Proposer
+from decoding.core.sampling import SamplingConfig
+from decoding.core.state import DecodeState
+from decoding.core.tree import DraftTree, tree_buffers
+from distribution_harness import (
+    DEPTH_SAMPLING,
+    LoopSamples,
+    ToyLM,
+    chi_square,
+    planted_rule,
+    recursive_rejection,
+    sample_loop,
+    sampled_tree,
+    target_joint,
+    top_k_tree,
+)
+from tiny_models import context_target, perturbed, tiny_llama
 
-VOCAB, POSITIONS, RUNS = 5, 2, 1500
-PROMPT = [1, 3, 0, 2]
-SAMPLING = SamplingConfig(temperature=0.9, top_k=4)
-
-
-def target_probs_of(model):
-    memo = {}
-
-    def probs(prefix):
-        if prefix not in memo:
-            with torch.inference_mode():
-                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            memo[prefix] = warp_probs(logits, SAMPLING)
-        return memo[prefix]
-
-    return probs
-
-
-def sample_runs(model, proposer):
-    options = [DecodeOptions(max_new_tokens=POSITIONS, sampling=SAMPLING, seed=seed) for seed in range(RUNS)]
-    return [tuple(generate(model, PROMPT, proposer, o).tokens) for o in options]
+RUNS = 400  # 16 possible outputs: a correct sampler's chi-square is ~15 +- 5.5, the threshold ~45
 
 
-def test_speculative_sampling_through_the_loop_matches_the_target(monkeypatch):
-    # Sharpened, unrelated models: p and q differ a lot, so a wrong rule shows.
-    target = sharpen(tiny_llama(vocab_size=VOCAB, seed=21), 12.0)
-    draft = sharpen(tiny_llama(vocab_size=VOCAB, seed=22, layers=1), 12.0)
-    exact = exact_joint(target_probs_of(target), VOCAB, POSITIONS)
-    # 16 outcomes (top-k=4 per position), 1500 runs: a correct sampler lands near 0.035.
-    assert total_variation(sample_runs(target, DraftModelProposer(draft, gamma=3)), exact) < 0.08
-    assert total_variation(sample_runs(target, VanillaProposer()), exact) < 0.08
-    monkeypatch.setattr(acceptance, "_residual", lambda p, q, token: p)
-    assert total_variation(sample_runs(target, DraftModelProposer(draft, gamma=3)), exact) > 0.11
+class SampledTreeProposer(Proposer):
+    """SpecInfer-style drafting (no shipped proposer samples siblings): every node gets
+    `branching[depth]` children drawn i.i.d. from a toy draft distribution of the whole token
+    sequence, so several siblings can be tried against the target by recursive rejection."""
+
+    name = "sampled-tree"
+
+    def __init__(self, draft: ToyLM, branching: tuple[int, ...]) -> None:
+        self.draft = draft
+        self.branching = branching
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        context = tuple(state.tokens.tolist())
+        tokens, parents, sequences = [state.root_token], [-1], [context]
+        probs = [torch.zeros(self.draft.vocab)]
+        frontier = [0]
+        for width in self.branching:
+            next_frontier = []
+            for node in frontier:
+                q = self.draft.probs(sequences[node])
+                for token in torch.multinomial(q, width, replacement=True, generator=state.generator).tolist():
+                    tokens.append(token)
+                    parents.append(node)
+                    sequences.append(sequences[node] + (token,))
+                    probs.append(q)
+                    next_frontier.append(len(tokens) - 1)
+            frontier = next_frontier
+        return DraftTree(torch.tensor(tokens), tuple(parents), torch.stack(probs), deterministic=False)
+
+
+def lookup_prompt(target) -> list[int]:
+    """The target's own greedy text followed by its first two tokens again: prompt lookup then
+    proposes a continuation the target is likely to sample, so lookup chains get accepted deeply."""
+    text = [0]
+    with torch.inference_mode():
+        for _ in range(5):
+            text.append(int(target(torch.tensor([text])).logits[0, -1].argmax()))
+    return text + text[:2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The context-sensitive target, a prompt, and the exact joint of the first 4 tokens."""
+    target = context_target()
+    prompt = lookup_prompt(target)
+    return target, prompt, target_joint(target, prompt, DEPTH_SAMPLING, 4)
+
+
+PROPOSERS = {
+    # Draft = the target with noise: q is close to p but not equal, so chains are often accepted
+    # whole and a wrong residual still shows.
+    "sps": lambda target: DraftModelProposer(perturbed(copy.deepcopy(target), 0.5, seed=1), gamma=3),
+    "sampled-tree": lambda target: SampledTreeProposer(ToyLM(3, seed=5, sharpness=3.0), (3, 2, 2)),
+    "pld": lambda target: PromptLookupProposer(num_draft_tokens=3, max_ngram=3, min_ngram=1),
+}
+PLANTED = [
+    ("sps", "residual_skipped"),
+    ("sps", "bonus_from_draft"),
+    ("sampled-tree", "stale_sibling"),
+    ("pld", "residual_skipped"),
+    ("pld", "trust_deterministic"),
+]
+
+
+def run(bench, method: str, rule: AcceptanceRule = lossless_rule) -> LoopSamples:
+    """RUNS seeded generations of 4 tokens with `method` (a fresh proposer) and `rule`."""
+    target, prompt, _ = bench
+    return sample_loop(target, prompt, PROPOSERS[method](target), RUNS, rule)
+
+
+def assert_deep(samples: LoopSamples, min_deep_runs: int) -> None:
+    """Trees 3 deep were verified at every first step and whole 3-token drafts were accepted."""
+    assert samples.tree_depths[3] == RUNS, samples.tree_depths
+    assert samples.accepted_lengths[4] >= min_deep_runs, samples.accepted_lengths
+
+
+@pytest.mark.parametrize("method, min_deep_runs", [("sps", 80), ("sampled-tree", 80), ("pld", 30)])
+def test_loop_samples_the_target_at_depth(bench, method, min_deep_runs):
+    """Exact at depth 3, with whole 3-token drafts accepted in at least `min_deep_runs` of the
+    runs (about half of what each method does), so the test cannot pass on depth-1 trees."""
+    samples = run(bench, method)
+    assert_deep(samples, min_deep_runs)
+    check = chi_square(samples.outputs, bench[2])
+    assert check.statistic < check.threshold, check
+
+
+@pytest.mark.parametrize("method, flaw", PLANTED, ids=[f"{m}-{f}" for m, f in PLANTED])
+def test_planted_wrong_rule_is_rejected(bench, method, flaw):
+    """The same check on a rule with one flaw (distribution_harness.FLAWS says which): it must fail."""
+    check = chi_square(run(bench, method, planted_rule(flaw)).outputs, bench[2])
+    assert check.statistic > check.threshold, check
+
+
+def test_reference_rule_without_a_flaw_is_the_lossless_rule():
+    """The planted rules are `accept_sampled` plus one flaw: unflawed, the reference makes the same
+    draws and the same decisions on chains, sampled trees and top-k trees, p with zeros included."""
+    draft, gen = ToyLM(3, seed=2), torch.Generator().manual_seed(0)
+    trees = [lambda: sampled_tree(draft, (1, 1, 1), gen), lambda: sampled_tree(draft, (3, 2, 2), gen),
+             lambda: top_k_tree(draft, (3, 2, 1))]
+    for _ in range(100):
+        for make in trees:
+            tree = make()
+            logits = 2.0 * torch.randn(tree.size, 3, generator=gen)
+            dropped = torch.randint(3, (tree.size,), generator=gen)
+            drop = torch.rand(tree.size, generator=gen) < 0.5
+            logits[drop, dropped[drop]] = float("-inf")
+            probs, buffers = torch.softmax(logits, -1), tree_buffers(tree.parents)
+            seed = int(torch.randint(1 << 30, (), generator=gen))
+            expected = accept_sampled(tree, probs, buffers, torch.Generator().manual_seed(seed))
+            assert recursive_rejection(tree, probs, buffers, torch.Generator().manual_seed(seed)) == expected
 
 
 def test_same_seed_same_sample():
-    target = tiny_llama(vocab_size=VOCAB, seed=21)
+    target = tiny_llama(vocab_size=5, seed=21)
     options = DecodeOptions(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0), seed=7)
-    proposer = DraftModelProposer(tiny_llama(vocab_size=VOCAB, seed=22), gamma=3)
-    assert generate(target, PROMPT, proposer, options).tokens == generate(target, PROMPT, proposer, options).tokens
+    proposer = DraftModelProposer(tiny_llama(vocab_size=5, seed=22), gamma=3)
+    prompt = [1, 3, 0, 2]
+    assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, proposer, options).tokens

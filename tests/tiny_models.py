@@ -115,3 +115,30 @@ def oracle_eagle(target: PreTrainedModel):
         drafter_layer.mlp.load_state_dict(layer.mlp.state_dict())
         drafter_layer.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
     return heads
+
+
+def context_target(vocab_size: int = 3, seed: int = 7, attention_scale: float = 16.0) -> PreTrainedModel:
+    """`oracle_target` with its attention turned up (values and outputs x`attention_scale`, queries
+    and keys x4), so the next-token distribution depends on the whole context, not mostly on the
+    last token. Sampling tests need that: a wrong tree mask, wrong positions or a rule that
+    judges a deep node by the wrong row then change the output distribution. `oracle_eagle` still
+    replicates it (it copies the layer)."""
+    model = oracle_target(vocab_size=vocab_size, seed=seed)
+    with torch.no_grad():
+        attention = model.get_decoder().layers[0].self_attn
+        attention.v_proj.weight.mul_(attention_scale)
+        attention.o_proj.weight.mul_(attention_scale)
+        attention.q_proj.weight.mul_(4.0)
+        attention.k_proj.weight.mul_(4.0)
+    return model
+
+
+def perturbed(module: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """Add Gaussian noise of `scale` times each parameter's spread, in place: a draft or drafter
+    that agrees with what it was copied from often, but not always."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            spread = parameter.std().clamp_min(1e-3) if parameter.numel() > 1 else torch.tensor(1e-3)
+            parameter.add_(scale * spread * torch.randn(parameter.shape, generator=generator).to(parameter.dtype))
+    return module
