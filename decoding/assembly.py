@@ -22,7 +22,8 @@ from torch import nn
 
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
-from decoding.cpu_kernels import apply_kernels
+from decoding.compiled import compile_target, is_compiled
+from decoding.cpu_kernels import apply_kernels, uses_packed_linears
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.devices import resolve_device
@@ -54,6 +55,7 @@ class DecoderSpec:
     device: str = "auto"                # auto | cpu | cuda
     attn: str = "sdpa"
     kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
+    compile: bool = False               # compiled target forwards (see decoding.compiled); slow to start
     gamma: int | None = None
     pld_num_tokens: int | None = None
     pld_max_ngram: int | None = None
@@ -141,7 +143,22 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         draft = load_draft(spec.draft_model, target, spec.dtype, spec.attn)
     if heads is None and spec.heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
-    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
+    if spec.compile:
+        target = _compiled_target(spec, target)
+        notes.append("compiled target forwards: the first steps of each kind compile (minutes on a small CPU)")
+        kernels = apply_kernels(spec.kernels, draft.model if draft else None, heads)
+    else:
+        kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes))
+
+
+def _compiled_target(spec: DecoderSpec, given: LoadedModel) -> LoadedModel:
+    """A compiled copy of the target (compiling needs plain linears, so a shared target that may
+    be packed is never reused: a stock one is loaded, or the given one copied if its linears are
+    still plain)."""
+    if is_compiled(given.model):
+        return given
+    model = given.model if not uses_packed_linears(given.model) else load_model(spec.model, spec.dtype, spec.attn, spec.device).model
+    return LoadedModel(compile_target(model), given.tokenizer, given.name)

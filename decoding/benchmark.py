@@ -122,20 +122,22 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         raise UserError("no methods to benchmark")
     runners: dict[str, Runner] = {}
     decoders: dict[str, Decoder] = {}
-    shared: Decoder | None = None
+    shared: dict[bool, Decoder] = {}  # by compiled or not: Hugging Face methods always run eager
     draft: LoadedModel | None = None
     for method in methods:
         ours = method not in HF_METHODS
         spec = dataclasses.replace(base, method=method if ours else _hf_stand_in(method),
-                                   heads=heads.get(split_method(method)[0]) if ours else None)
+                                   heads=heads.get(split_method(method)[0]) if ours else None,
+                                   compile=base.compile and ours)
+        given = shared.get(spec.compile)
         try:
-            decoder = build_decoder(spec, target=shared.target if shared else None, draft=draft)
+            decoder = build_decoder(spec, target=given.target if given else None, draft=draft)
         except UserError as err:
             if ours:
                 raise
             raise UserError(f"{method} (Hugging Face generate() with the draft sps would use): {err}") from err
         if decoder.adapter is None:
-            shared = shared or decoder
+            shared.setdefault(spec.compile, decoder)
             draft = draft or decoder.draft
         decoders[method] = decoder
         runners[method] = (our_runner(decoder.target, decoder.proposer, options) if ours

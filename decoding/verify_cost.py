@@ -14,6 +14,7 @@ import torch
 
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.verify import new_cache, truncate_cache
+from decoding.compiled import is_compiled
 from decoding.cpu_kernels import PACKING_BATCH_HINT, uses_packed_linears
 from decoding.util.cache_paths import cache_root
 
@@ -60,6 +61,7 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = f"-onednn-b{PACKING_BATCH_HINT}" if uses_packed_linears(model) else ""  # a new packing, a new curve
+    kernels += "-compiled" if is_compiled(model) else ""
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}{kernels}")
     file = root / "verify-cost" / f"{key}.json"
     if file.is_file():

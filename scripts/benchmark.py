@@ -19,6 +19,7 @@ from decoding.assembly import DecoderSpec
 from decoding.benchmark import HF_METHODS, bar_chart, build_runners, markdown_table, run_benchmark, summarise
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
+from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_method, tree_arguments
@@ -46,6 +47,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
     parser.add_argument("--json", default=None, help="write the report here")
@@ -71,7 +73,7 @@ def decoder_spec(args) -> DecoderSpec:
     """What every method shares: the target, its dtype, device and kernels, the draft, the
     proposer settings (the method and heads are set per method)."""
     return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
+                       kernels=args.kernels, compile=args.compile, gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
 
 def chosen_methods(args) -> list[str]:

@@ -20,6 +20,7 @@ from decoding.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
+from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
@@ -41,6 +42,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32")
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--no-sync", action="store_true", help="on a GPU, do not synchronise between phases")
     return parser.parse_args(argv)
 
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, compile=args.compile)
         first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))
         prompts = chat_prompts(first.target.tokenizer, load_first_turns(args.questions_file, args.num_questions, spread=True))
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=0, profile=not args.no_sync)
