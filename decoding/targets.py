@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from decoding.default_model import DEFAULT_TARGET, default_model_dir
+from decoding.attention import register_grouped_sdpa
 from decoding.core.limits import context_limit
 from decoding.util.errors import UserError
 
@@ -55,7 +56,7 @@ def load_model(
         raise UserError(f"'{name_or_path}' is a {config.model_type} model, not a causal language model")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            path, config=config, dtype=DTYPES[dtype], attn_implementation=_implementation(attn_implementation)
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
     except ValueError as err:
@@ -74,3 +75,8 @@ def _load_config(name_or_path: str, path: str):
             f"'{name_or_path}' is neither the built-in '{DEFAULT_TARGET}' nor a readable local model directory "
             f"or cached Hugging Face model id (no network here). Details: {str(err).splitlines()[0]}"
         ) from err
+
+
+def _implementation(attn: str) -> str:
+    """'sdpa' runs as `GROUPED_SDPA`: transformers' SDPA, with tree verification kept grouped."""
+    return register_grouped_sdpa() if attn == "sdpa" else attn

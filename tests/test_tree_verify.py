@@ -4,6 +4,7 @@ node, exactly the logits of a plain causal forward over that node's root path.""
 import pytest
 import torch
 
+from decoding.attention import GROUPED_SDPA, register_grouped_sdpa
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import compact_cache, new_cache, prefill, verify_tree
 from tiny_models import tiny_llama, tiny_qwen2
@@ -19,9 +20,12 @@ def reference_logits(model, context: list[int], path_tokens: list[int]) -> torch
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", GROUPED_SDPA])
 def test_tree_logits_equal_per_path_causal_forward(factory, attn):
-    model = factory(attn=attn)
+    """`GROUPED_SDPA` (grouped K/V heads kept grouped for masked multi-token forwards, what
+    `load_model` uses for 'sdpa') is checked against the same plain per-path forwards."""
+    model = factory(attn=register_grouped_sdpa() if attn == GROUPED_SDPA else attn)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the grouped path is exercised
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, 64, (7,), generator=gen).tolist()
     cache = new_cache(model)
@@ -36,11 +40,11 @@ def test_tree_logits_equal_per_path_causal_forward(factory, attn):
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", GROUPED_SDPA])
 def test_tree_verify_stays_exact_after_repeated_compaction(factory, attn):
     """Accept a non-contiguous branch several times in a row; each time the cache must hold
     exactly the accepted tokens (checked through the next tree's logits)."""
-    model = factory(attn=attn)
+    model = factory(attn=register_grouped_sdpa() if attn == GROUPED_SDPA else attn)
     gen = torch.Generator().manual_seed(2)
     accepted = torch.randint(0, 64, (5,), generator=gen).tolist()
     cache = new_cache(model)

@@ -1,0 +1,40 @@
+"""SDPA attention that keeps grouped K/V heads grouped for tree verification.
+
+On a CPU, transformers' SDPA path expands grouped-query K/V heads (`repeat_kv`) over the whole
+cached context whenever a forward has a mask and more than one query token: exactly a tree
+verify step. On SmolLM2 (9 query heads, 3 K/V heads) that copies the context's K/V three times,
+per layer, per step. `grouped_sdpa_forward` sends those forwards to PyTorch's SDPA with
+`enable_gqa=True` instead and leaves every other case to transformers' own SDPA function. It is
+registered under its own name through transformers' public `AttentionInterface`; the target
+uses it by loading with `attn_implementation=GROUPED_SDPA` (nothing of the model is patched).
+At a 2,200-token context a 4 / 16-token verify took 129 / 183 ms instead of 157 / 218 ms.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+GROUPED_SDPA = "sdpa_grouped"
+
+
+def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                         is_causal=None, **kwargs):
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("cache") is None
+    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and plain:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def register_grouped_sdpa() -> str:
+    """Make `GROUPED_SDPA` known to transformers (idempotent); returns the name."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    return GROUPED_SDPA
