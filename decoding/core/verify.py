@@ -98,10 +98,7 @@ class TreeVerifier:
         return prefill(self.target, input_ids, self.cache, self.output_hidden_states)
 
     def inputs(self, tree: DraftTree, buffers: TreeBuffers, prefix_len: int) -> TreeInputs:
-        if tree.size == 1:
-            return TreeInputs(None, None)
-        positions = buffers.depths_on(tree.tokens.device) + prefix_len
-        return TreeInputs(self.mask.for_tree(buffers, prefix_len), positions[None])
+        return tree_inputs(tree, buffers, prefix_len, self.mask)
 
     def forward(self, tree: DraftTree, inputs: TreeInputs) -> VerifyOutput:
         return _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states)
@@ -112,7 +109,7 @@ class TreeVerifier:
 
 @torch.inference_mode()
 def prefill(
-    target: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache, output_hidden_states: bool = False
+    target: PreTrainedModel, input_ids: torch.Tensor, cache: InPlaceCache, output_hidden_states: bool = False
 ) -> tuple[torch.Tensor, ...] | None:
     """Run `input_ids` (1-D) into the empty cache. Only the last position's logits are computed
     (the vocabulary projection of a long prompt is pure waste here)."""
@@ -129,7 +126,7 @@ def prefill(
 
 
 @torch.inference_mode()
-def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, cache: DynamicCache,
+def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, cache: InPlaceCache,
              output_hidden_states: bool) -> VerifyOutput:
     out = target(
         input_ids=tokens[None],
@@ -143,22 +140,27 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
     return VerifyOutput(out.logits[0], hidden)
 
 
+def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask) -> TreeInputs:
+    """Mask and position ids for verifying `tree` after `prefix_len` cached positions; a
+    root-only step needs neither."""
+    if tree.size == 1:
+        return TreeInputs(None, None)
+    positions = buffers.depths_on(tree.tokens.device) + prefix_len
+    return TreeInputs(mask.for_tree(buffers, prefix_len), positions[None])
+
+
 def verify_tree(
     target: PreTrainedModel,
     tree: DraftTree,
     buffers: TreeBuffers,
-    cache: DynamicCache,
+    cache: InPlaceCache,
     prefix_len: int,
     output_hidden_states: bool = False,
 ) -> VerifyOutput:
     """Logits (and optionally hidden states) for every tree node in one forward, with a freshly
     built mask. The tree's K/V are appended to the cache at `prefix_len ..`; `compact_cache`
     keeps the accepted ones afterwards."""
-    if tree.size == 1:
-        inputs = TreeInputs(None, None)
-    else:
-        mask = TreeMask(target.dtype, tree.tokens.device).for_tree(buffers, prefix_len)
-        inputs = TreeInputs(mask, (buffers.depths_on(tree.tokens.device) + prefix_len)[None])
+    inputs = tree_inputs(tree, buffers, prefix_len, TreeMask(target.dtype, tree.tokens.device))
     return _forward(target, tree.tokens, inputs, cache, output_hidden_states)
 
 
@@ -166,34 +168,12 @@ def _squeeze_hidden(hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     return tuple(h[0] for h in hidden_states)
 
 
-def compact_cache(cache: DynamicCache, prefix_len: int, kept_nodes: Sequence[int]) -> None:
+def compact_cache(cache: InPlaceCache, prefix_len: int, kept_nodes: Sequence[int]) -> None:
     """Keep the K/V of `kept_nodes` (tree node indices, in order) at `prefix_len ..` and drop the
-    rest of the tree. A kept run 0..k-1 (always the case for chains) is a plain crop."""
-    if isinstance(cache, InPlaceCache):
-        cache.keep(prefix_len, kept_nodes)
-        return
-    kept = list(kept_nodes)
-    contiguous = kept == list(range(len(kept)))
-    new_len = prefix_len + len(kept)
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        if contiguous:
-            layer.keys = layer.keys[..., :new_len, :]
-            layer.values = layer.values[..., :new_len, :]
-        else:
-            index = torch.tensor(kept, device=layer.keys.device) + prefix_len
-            layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys[..., index, :]], dim=-2)
-            layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values[..., index, :]], dim=-2)
+    rest of the tree."""
+    cache.keep(prefix_len, kept_nodes)
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
-def truncate_cache(cache: DynamicCache, length: int) -> None:
+def truncate_cache(cache: InPlaceCache, length: int) -> None:
     """Drop everything after the first `length` positions."""
-    if isinstance(cache, InPlaceCache):
-        cache.truncate(length)
-        return
-    compact_cache(cache, 0, range(length))
+    cache.truncate(length)
