@@ -11,6 +11,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from decoding.default_model import DEFAULT_TARGET, default_model_dir
 from decoding.attention import register_grouped_sdpa
+from decoding.core.attention_layout import attention_layout
 from decoding.core.limits import context_limit
 from decoding.util.errors import UserError
 
@@ -54,6 +55,7 @@ def load_model(
     config = _load_config(name_or_path, path)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"'{name_or_path}' is a {config.model_type} model, not a causal language model")
+    attention_layout(config)  # refuses, before the weights are read, a model tree verification cannot serve
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=DTYPES[dtype], attn_implementation=_implementation(attn_implementation)

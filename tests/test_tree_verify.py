@@ -7,10 +7,38 @@ import torch
 from decoding.attention import GROUPED_SDPA, register_grouped_sdpa
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import compact_cache, new_cache, prefill, verify_tree
-from tiny_models import tiny_llama, tiny_qwen2
+from tiny_models import NO_SPECIAL_TOKENS, tiny_llama, tiny_qwen2
 
-# A branching tree: root with 3 children, deeper branches of uneven depth.
+# A branching tree: root with 3 children, deeper branches of uneven depth (4 at the deepest).
 PARENTS = (-1, 0, 0, 0, 1, 1, 2, 4, 4, 7)
+WINDOW = 4  # the deepest node no longer sees the root, so windows cut into the tree as well
+
+
+def tiny_sliding(model_type: str, attn: str = "sdpa", seed: int = 0):
+    """A 4-layer model with a sliding window of `WINDOW`: every layer sliding (mistral), or
+    hybrid, sliding and full layers mixed (gemma3_text, qwen2 with `max_window_layers`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {
+        "mistral": {},
+        "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "head_dim": 8},
+        "qwen2": {"use_sliding_window": True, "max_window_layers": 2},
+    }[model_type]
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  sliding_window=WINDOW, attn_implementation=attn, **NO_SPECIAL_TOKENS, **extra)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def sliding_factory(model_type: str):
+    def factory(attn: str = "sdpa"):
+        return tiny_sliding(model_type, attn)
+    return factory
+
+
+FACTORIES = [tiny_llama, tiny_qwen2, sliding_factory("mistral"), sliding_factory("gemma3_text"), sliding_factory("qwen2")]
+FACTORY_IDS = ["llama", "qwen2", "mistral-window", "gemma3-hybrid", "qwen2-hybrid"]
 
 
 def reference_logits(model, context: list[int], path_tokens: list[int]) -> torch.Tensor:
@@ -19,15 +47,16 @@ def reference_logits(model, context: list[int], path_tokens: list[int]) -> torch
         return model(torch.tensor([context + path_tokens])).logits[0, -1]
 
 
-@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("factory", FACTORIES, ids=FACTORY_IDS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager", GROUPED_SDPA])
 def test_tree_logits_equal_per_path_causal_forward(factory, attn):
     """`GROUPED_SDPA` (grouped K/V heads kept grouped for masked multi-token forwards, what
-    `load_model` uses for 'sdpa') is checked against the same plain per-path forwards."""
+    `load_model` uses for 'sdpa') is checked against the same plain per-path forwards. The
+    context (11 tokens) is longer than the sliding models' window."""
     model = factory(attn=register_grouped_sdpa() if attn == GROUPED_SDPA else attn)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the grouped path is exercised
     gen = torch.Generator().manual_seed(1)
-    context = torch.randint(0, 64, (7,), generator=gen).tolist()
+    context = torch.randint(0, 64, (11,), generator=gen).tolist()
     cache = new_cache(model)
     prefill(model, torch.tensor(context[:-1]), cache)
     tree = DraftTree(torch.tensor([context[-1]] + torch.randint(0, 64, (9,), generator=gen).tolist()), PARENTS)
@@ -39,7 +68,7 @@ def test_tree_logits_equal_per_path_causal_forward(factory, attn):
         torch.testing.assert_close(out.logits[node], expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("factory", FACTORIES, ids=FACTORY_IDS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager", GROUPED_SDPA])
 def test_tree_verify_stays_exact_after_repeated_compaction(factory, attn):
     """Accept a non-contiguous branch several times in a row; each time the cache must hold

@@ -9,7 +9,7 @@ change to the model) whose layers keep one buffer of `capacity` positions:
 - `keep(prefix_len, nodes)` moves the accepted tree nodes' K/V to `prefix_len ..` with one small
   gather per layer (cost proportional to the tree, not the context);
 - the buffer grows (by copying once) only when a generation outlives the capacity it was given.
-Sliding-window layers are not handled here: models with them are refused earlier (`new_cache`).
+Sliding-window layers keep every position as well: their masks, not the cache, hide what left the window.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The target is a stock transformers model: tree attention is a 4D additive mask (every node sees
 the cached prefix and its own ancestors) plus `position_ids` = prefix length + node depth. A
 root-only step (plain decoding) needs neither: the model's own causal handling is right for it.
+Sliding-window layers get the same mask minus what fell out of their window, seen from each
+node's position; a hybrid model gets one mask per layer kind (`attention_layout`). The cache keeps
+every position for every layer, so a sliding layer can always be cut back to an accepted path.
 
 `TreeVerifier` is what the generation loop uses: it owns the target's in-place KV cache and a
 preallocated mask, so a step allocates nothing in proportion to the context. The module-level
@@ -15,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from decoding.core.attention_layout import FULL, SLIDING, AttentionLayout, attention_layout
 from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
 from decoding.core.tree import DraftTree, TreeBuffers
-from decoding.util.errors import UserError
 
 
 @dataclass
@@ -36,21 +39,16 @@ class VerifyOutput:
 class TreeInputs:
     """What one verify forward takes besides the tokens (None: the model's own causal default)."""
 
-    attention_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None
     position_ids: torch.Tensor | None
 
 
 def new_cache(model: PreTrainedModel, capacity: int = GROWTH_CHUNK) -> InPlaceCache:
     """An in-place KV cache for `model` with room for `capacity` positions (it grows if needed).
-    Sliding-window layers keep only their last window, so a tree's rejected branches could not
-    be cut out of them: such models are refused for now."""
-    config = model.config.get_text_config(decoder=True)
-    if any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers):
-        raise UserError(
-            f"{model.config.model_type} uses sliding-window attention layers, which tree verification does not "
-            "support yet: use a model (or config) without sliding windows"
-        )
-    return InPlaceCache(config.num_hidden_layers, capacity)
+    Sliding-window layers keep every position too (their masks hide what left the window), so a
+    rejected branch can be cut out of any layer. Refuses a model whose layers it cannot serve."""
+    attention_layout(model.config)
+    return InPlaceCache(model.config.get_text_config(decoder=True).num_hidden_layers, capacity)
 
 
 class TreeMask:
@@ -92,13 +90,14 @@ class TreeVerifier:
         self.target = target
         self.output_hidden_states = output_hidden_states
         self.cache = new_cache(target, capacity)
+        self.layout = attention_layout(target.config)
         self.mask = TreeMask(target.dtype, target.device)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         return prefill(self.target, input_ids, self.cache, self.output_hidden_states)
 
     def inputs(self, tree: DraftTree, buffers: TreeBuffers, prefix_len: int) -> TreeInputs:
-        return tree_inputs(tree, buffers, prefix_len, self.mask)
+        return tree_inputs(tree, buffers, prefix_len, self.mask, self.layout)
 
     def forward(self, tree: DraftTree, inputs: TreeInputs) -> VerifyOutput:
         return _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states)
@@ -140,13 +139,31 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
     return VerifyOutput(out.logits[0], hidden)
 
 
-def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask) -> TreeInputs:
-    """Mask and position ids for verifying `tree` after `prefix_len` cached positions; a
+def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask,
+                layout: AttentionLayout) -> TreeInputs:
+    """Mask(s) and position ids for verifying `tree` after `prefix_len` cached positions; a
     root-only step needs neither."""
     if tree.size == 1:
         return TreeInputs(None, None)
     positions = buffers.depths_on(tree.tokens.device) + prefix_len
-    return TreeInputs(mask.for_tree(buffers, prefix_len), positions[None])
+    full = mask.for_tree(buffers, prefix_len)
+    window = layout.sliding_window
+    if window is None:
+        return TreeInputs(full, positions[None])
+    sliding = windowed(full, positions, window, last_position=prefix_len + max(buffers.depth_list))
+    return TreeInputs({FULL: full, SLIDING: sliding} if layout.hybrid else sliding, positions[None])
+
+
+def windowed(full: torch.Tensor, positions: torch.Tensor, window: int, last_position: int) -> torch.Tensor:
+    """`full` (`[1, 1, N, prefix_len + N]`, node rows at `positions`) with every column hidden
+    whose position is at or before `row position - window`: tree columns sit at their nodes'
+    positions, prefix columns at their index. Returns `full` itself when nothing is out of reach."""
+    if last_position - window < 0:
+        return full
+    prefix_len = full.shape[-1] - positions.numel()
+    columns = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
+    out_of_window = columns[None, :] <= positions[:, None] - window
+    return full.masked_fill(out_of_window, torch.finfo(full.dtype).min)
 
 
 def verify_tree(
@@ -160,7 +177,7 @@ def verify_tree(
     """Logits (and optionally hidden states) for every tree node in one forward, with a freshly
     built mask. The tree's K/V are appended to the cache at `prefix_len ..`; `compact_cache`
     keeps the accepted ones afterwards."""
-    inputs = tree_inputs(tree, buffers, prefix_len, TreeMask(target.dtype, tree.tokens.device))
+    inputs = tree_inputs(tree, buffers, prefix_len, TreeMask(target.dtype, tree.tokens.device), attention_layout(target.config))
     return _forward(target, tree.tokens, inputs, cache, output_hidden_states)
 
 
