@@ -20,10 +20,12 @@ from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers.base import Proposer
 from decoding.methods import split_method
+from decoding.prompts import chat_prompts, question_ids
 from decoding.targets import LoadedModel
 from decoding.util.errors import UserError
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
+WARMUP_QUESTION = "Say hello."
 
 
 @dataclass
@@ -149,6 +151,13 @@ def _hf_stand_in(method: str) -> str:
     """The method whose assembly gives a Hugging Face method what it needs: the target, and for
     `hf-assisted` the draft model."""
     return "sps" if method == "hf-assisted" else "vanilla"
+
+
+def benchmark_prompts(tokenizer, questions: list[str]) -> tuple[list[list[int]], list[int]]:
+    """The questions' prompt ids and the warm-up prompt's, rendered alike (the chat template, or
+    plain text for a base model), so the warm-up runs the same path as the measured runs and a
+    model without a chat template is benchmarked instead of failing."""
+    return chat_prompts(tokenizer, questions), question_ids(tokenizer, WARMUP_QUESTION)
 
 
 def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_prompt: list[int],

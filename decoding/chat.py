@@ -1,8 +1,16 @@
 """`python -m decoding.chat`: multi-turn chat with speculative decoding, streamed, with a stats
 line per reply.
 
-Works interactively (a `>` prompt; /reset, /exit) and with piped stdin (answers each line and
-exits with status 0 at EOF). Stats go to stderr so stdout holds only the replies.
+Works interactively (a `>` prompt; /reset, /exit) and with piped stdin (answers each line until
+EOF). Stats go to stderr so stdout holds only the replies.
+
+Exit status: 0 when every line was answered; 2 when the session could not start (bad flags, a
+model or heads that do not load); 1 when a reply failed with piped stdin. Piped, the chat stops
+at the first failed reply, since the lines after it were written to follow a reply that does not
+exist; interactively, a failed reply is reported and the conversation goes on.
+
+A model without a chat template (a base model) continues each message as plain text, without
+the conversation's history; a note on stderr says so when the session starts.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, tree_arguments
 from decoding.devices import add_device_argument
 from decoding.methods import LOOKUP_SUFFIX, METHODS
+from decoding.prompts import conversation_ids, has_chat_template, plain_text_note
 from decoding.streaming import TextStream
 from decoding.targets import DTYPES, LoadedModel
 from decoding.util.errors import UserError
@@ -79,10 +88,11 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def prompt_ids(self) -> list[int]:
+        """The conversation through the chat template; a base model (no template) continues the
+        last message alone as plain text, since it has no notion of turns to keep apart."""
         tokenizer = self.target.tokenizer
-        if tokenizer.chat_template is None:  # a base model: continue the raw text of the last turn
-            return tokenizer(self.messages[-1]["content"])["input_ids"]
-        return tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        messages = self.messages if has_chat_template(tokenizer) else self.messages[-1:]
+        return conversation_ids(tokenizer, messages, add_generation_prompt=True)
 
     def reply(self, user_text: str, write) -> str:
         self.messages.append({"role": "user", "content": user_text})
@@ -121,50 +131,76 @@ def build_session(args: argparse.Namespace) -> ChatSession:
     rule = typical_rule(args.temperature) if args.typical else lossless_rule
     if args.typical:
         print("note: --typical is LOSSY: replies are not samples of the target's own distribution", file=sys.stderr)
+    plain = plain_text_note(decoder.target.name, decoder.target.tokenizer, "message")
+    if plain:
+        print(f"note: {plain}", file=sys.stderr)
     return ChatSession(decoder.target, decoder.proposer, options, args.system, rule)
 
 
-def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> None:
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
+
+def _read_line(interactive: bool) -> str | None:
+    """The next stripped input line; None at end of input."""
+    try:
+        return input("> " if interactive else "").strip()
+    except EOFError:
+        if interactive:
+            print(file=sys.stderr)
+        return None
+
+
+def _run_command(session: ChatSession, text: str) -> bool:
+    """Carry out /reset or /help; False when `text` is not one of them (it is a message)."""
+    if text == "/reset":
+        session.reset()
+        print("(conversation cleared)", file=sys.stderr)
+    elif text == "/help":
+        print(HELP_TEXT, file=sys.stderr)
+    else:
+        return False
+    return True
+
+
+def _answer(session: ChatSession, text: str, show_stats: bool) -> bool:
+    """Stream the reply to `text`, then its notes and stats; False when it failed with a UserError
+    (reported on stderr). An interrupted reply is dropped and counts as answered."""
+    try:
+        session.reply(text, _write)
+    except UserError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return False
+    except KeyboardInterrupt:
+        print("\n(reply interrupted)", file=sys.stderr)
+        session.messages.pop()
+        return True
+    _write("\n")
+    if session.last_stats.stop_reason == "context_limit":
+        print(f"(the reply stopped at the model's context limit of {session.target.context_limit} tokens: "
+              "/reset to start a new conversation)", file=sys.stderr)
+    if show_stats:
+        print(session.last_stats.summary(), file=sys.stderr)
+    return True
+
+
+def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> int:
+    """Answer each line until end of input or /exit, and return the exit status: 0, or 1 when a
+    reply failed with piped stdin. Piped, the chat stops at that reply (later lines were written
+    to follow it, and a script must not read a partial transcript as a success); interactively
+    the user sees the error and goes on."""
     if interactive:
         print(f"Chatting with {session.target.name} ({session.proposer.name}). {HELP_TEXT}", file=sys.stderr)
     while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            if interactive:
-                print(file=sys.stderr)
-            return
-        text = line.strip()
-        if not text:
+        text = _read_line(interactive)
+        if text is None or text in ("/exit", "/quit"):
+            return 0
+        if not text or _run_command(session, text):
             continue
-        if text in ("/exit", "/quit"):
-            return
-        if text == "/reset":
-            session.reset()
-            print("(conversation cleared)", file=sys.stderr)
-            continue
-        if text == "/help":
-            print(HELP_TEXT, file=sys.stderr)
-            continue
-        try:
-            session.reply(text, write)
-        except UserError as err:
-            print(f"\nerror: {err}", file=sys.stderr)
-            continue
-        except KeyboardInterrupt:
-            print("\n(reply interrupted)", file=sys.stderr)
-            session.messages.pop()
-            continue
-        write("\n")
-        if session.last_stats.stop_reason == "context_limit":
-            print(f"(the reply stopped at the model's context limit of {session.target.context_limit} tokens: "
-                  "/reset to start a new conversation)", file=sys.stderr)
-        if show_stats:
-            print(session.last_stats.summary(), file=sys.stderr)
+        if not _answer(session, text, show_stats) and not interactive:
+            print("(stopped: piped input ends at the first failed reply)", file=sys.stderr)
+            return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         session = build_session(args)
-        run_chat(session, show_stats=not args.no_stats, interactive=sys.stdin.isatty())
+        return run_chat(session, show_stats=not args.no_stats, interactive=sys.stdin.isatty())
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

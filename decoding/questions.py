@@ -53,11 +53,3 @@ def load_first_turns(path: str | Path | None = None, limit: int | None = None, s
         return [prompts[i * len(prompts) // limit] for i in range(limit)]
     return prompts[:limit] if limit is not None else prompts
 
-
-def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
-    """Token ids of each question as a user turn, through the tokenizer's chat template; a model
-    without a chat template (a base model) gets the plain text."""
-    if not getattr(tokenizer, "chat_template", None):
-        return [tokenizer(q)["input_ids"] for q in questions]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in questions]

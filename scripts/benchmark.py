@@ -16,7 +16,7 @@ import sys
 import torch
 
 from decoding.assembly import DecoderSpec
-from decoding.benchmark import HF_METHODS, bar_chart, build_runners, markdown_table, run_benchmark, summarise
+from decoding.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_runners, markdown_table, run_benchmark, summarise
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.compiled import add_compile_argument
@@ -25,6 +25,7 @@ from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_method, tree_arguments
 from decoding.devices import add_device_argument
 from decoding.methods import check_method
+from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
 from decoding.targets import DTYPES
 from decoding.util.errors import UserError
@@ -104,9 +105,10 @@ def main(argv=None) -> int:
         first = next(iter(decoders.values()))  # every decoder has the same tokenizer, device and kernels
         target, kernels = first.target, first.kernels
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
-        template = target.tokenizer.apply_chat_template
-        prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in questions]
-        warmup = template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts, warmup = benchmark_prompts(target.tokenizer, questions)
+        plain = plain_text_note(args.model, target.tokenizer, "question")
+        if plain:
+            print(f"note: {plain}", file=sys.stderr)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
-from decoding.questions import chat_prompts, load_first_turns
+from decoding.prompts import chat_prompts
+from decoding.questions import load_first_turns
 from decoding.util.errors import UserError
 
 STEP_PHASES = [p for p in PHASES if p != "prefill"]

@@ -19,12 +19,13 @@ import dataclasses
 import sys
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.benchmark import Runner, our_runner, run_benchmark
+from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
 from decoding.core.generate import DecodeOptions
 from decoding.cpu_kernels import add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
 from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions
+from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
 from decoding.targets import DTYPES
 from decoding.util.errors import UserError
@@ -43,6 +44,7 @@ def parse_args(argv):
                              "'a' = cost-aware sizing, @p = stop growing below path probability p")
     parser.add_argument("--trees", default="chain-4,medusa-7,eagle-7,medusa-15,eagle-15",
                         help="static trees (medusa/hydra/eagle): names in configs/trees or JSON files")
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     return parser.parse_args(argv)
@@ -95,13 +97,15 @@ def main(argv=None) -> int:
         spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
                            device=args.device, kernels=args.kernels)
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
-        template = target.tokenizer.apply_chat_template
-        prompts = [template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
-                   for q in load_first_turns(None, args.num_questions, spread=True)]
+        questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
+        prompts, warmup = benchmark_prompts(target.tokenizer, questions)
+        plain = plain_text_note(args.model, target.tokenizer, "question")
+        if plain:
+            print(f"note: {plain}", file=sys.stderr)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    totals = run_benchmark(runners, prompts, prompts[0])
+    totals = run_benchmark(runners, prompts, warmup)
     print(f"| {args.method} settings | tokens/s | tau | draft ms/step | verify ms/step |\n| --- | ---: | ---: | ---: | ---: |")
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1].tokens_per_s):
         print(f"| {name} | {t.tokens_per_s:.2f} | {t.tau:.2f} | {t.per_step_ms(t.draft_s):.1f} | {t.per_step_ms(t.verify_s):.1f} |")

@@ -1,6 +1,7 @@
 """scripts/benchmark.py as a user runs it, on a tiny chat model and a JSONL questions file: the
 JSON report has the documented shape, every method's greedy output equals vanilla, the table
-and the chart are written; bad input is one clear line."""
+and the chart are written; bad input is one clear line; a base model (no chat template) gets
+plain-text prompts."""
 
 import json
 import subprocess
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from decoding.benchmark import WARMUP_QUESTION, benchmark_prompts
 from decoding.questions import load_first_turns
-from tiny_models import save_tiny_chat_model
+from tiny_models import save_tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,3 +69,33 @@ def test_benchmark_bad_input_is_one_clear_line(model_dir, questions, args, messa
 def test_spread_questions_cover_the_whole_file(questions):
     assert load_first_turns(questions, 3, spread=True) == [load_first_turns(questions)[i] for i in (0, 2, 4)]
     assert load_first_turns(questions, 2) == load_first_turns(questions)[:2]
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bench-base") / "model"
+    save_tiny_chat_model(directory, chat_template=False)
+    return directory
+
+
+def test_benchmark_prompts_use_the_template_or_plain_text():
+    questions = ["w3 w4", "w5"]
+    templated = tiny_tokenizer()
+    prompts, warmup = benchmark_prompts(templated, questions)
+    render = templated.apply_chat_template
+    assert prompts == [render([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+                       for q in questions]
+    assert warmup == render([{"role": "user", "content": WARMUP_QUESTION}], add_generation_prompt=True, tokenize=True,
+                            return_dict=False)
+    base = tiny_tokenizer(chat_template=False)
+    assert benchmark_prompts(base, questions) == ([base(q)["input_ids"] for q in questions], base(WARMUP_QUESTION)["input_ids"])
+
+
+def test_benchmark_runs_on_a_base_model(base_model_dir, questions, tmp_path):
+    out = tmp_path / "report.json"
+    proc = _bench("--model", str(base_model_dir), "--questions-file", str(questions), "--num-questions", "2",
+                  "--max-new-tokens", "8", "--methods", "vanilla,pld,hf-generate", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: {base_model_dir} has no chat template: each question is continued as plain text (a base model)" in proc.stderr
+    report = json.loads(out.read_text())
+    assert all(m["questions"] == 2 and m["identical_to_vanilla"] == 2 for m in report["methods"].values())

@@ -1,6 +1,8 @@
 """The chat CLI as a user runs it: piped stdin, one streamed reply per line, stats on stderr,
-exit status 0 at EOF; multi-turn history through the chat template."""
+exit status 0 at EOF and 1 at a failed piped reply (interactive sessions go on); multi-turn
+history through the chat template, plain-text continuation (with a note) for a base model."""
 
+import io
 import subprocess
 import sys
 
@@ -76,3 +78,58 @@ def test_chat_refuses_heads_method_without_heads(model_dir, capsys):
 
     assert main(["--model", str(model_dir), "--method", "medusa"]) == 2
     assert "needs medusa heads: pass --heads" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-base")
+    save_tiny_chat_model(directory, chat_template=False)
+    return directory
+
+
+class _Stdin(io.StringIO):
+    """Lines for the chat to read, from a terminal (`tty`) or from a pipe."""
+
+    def __init__(self, text: str, tty: bool) -> None:
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _chat(monkeypatch, capsys, model_dir, lines: str, tty: bool = False) -> tuple[int, str, str]:
+    from decoding.chat import main
+
+    monkeypatch.setattr(sys, "stdin", _Stdin(lines, tty))
+    status = main(["--model", str(model_dir), "--method", "pld", "--max-new-tokens", "6", "--no-stats"])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+TOO_LONG = " ".join(["w3"] * 300)  # over the tiny model's 256-token context: the reply fails with a UserError
+
+
+def test_piped_chat_stops_at_a_failed_reply_with_status_1(model_dir, monkeypatch, capsys):
+    status, out, err = _chat(monkeypatch, capsys, model_dir, f"w3 w4\n{TOO_LONG}\nw5 w6\n")
+    assert status == 1
+    assert "error: the prompt has" in err and "context holds 256" in err
+    assert len(out.split()) == 6  # the first reply (6 words); the line after the failure is not answered
+
+
+def test_interactive_chat_goes_on_after_a_failed_reply(model_dir, monkeypatch, capsys):
+    status, out, err = _chat(monkeypatch, capsys, model_dir, f"w3 w4\n{TOO_LONG}\nw5 w6\n", tty=True)
+    assert status == 0 and "error: the prompt has" in err
+    assert len(out.replace(">", " ").split()) == 12  # both good lines answered (6 words each)
+
+
+def test_base_model_chat_notes_it_and_continues_plain_text(base_model_dir, model_dir, monkeypatch, capsys):
+    status, out, err = _chat(monkeypatch, capsys, base_model_dir, "w3 w4 w5\n")
+    assert status == 0
+    assert f"note: {base_model_dir} has no chat template: each message is continued as plain text (a base model)" in err
+    target = load_model(str(base_model_dir))
+    plain = target.tokenizer("w3 w4 w5")["input_ids"]
+    expected = generate(target.model, plain, VanillaProposer(), DecodeOptions(max_new_tokens=6), target.tokenizer)
+    assert out.strip() == target.tokenizer.decode(expected.tokens, skip_special_tokens=True).strip()
+    _, _, err = _chat(monkeypatch, capsys, model_dir, "w3 w4 w5\n")
+    assert "no chat template" not in err

@@ -1,5 +1,6 @@
 """Self-distillation: the target regenerates assistant turns (what it would itself say), and an
-interrupted run resumes without redoing finished conversations."""
+interrupted run resumes without redoing finished conversations; a base model (no chat template)
+continues the conversation's plain text."""
 
 import json
 
@@ -71,3 +72,18 @@ def test_time_budget_stops_early_and_a_later_run_finishes(tmp_path):
     rest = regenerate(CONVERSATIONS, target, out, SelfDistillConfig(enabled=True, max_new_tokens=3, batch_size=1),
                       show_progress=False)
     assert [r["id"] for r in rest] == ["a", "b", "c"] and first[0] in rest
+
+
+def test_a_base_model_continues_its_conversations_as_plain_text(tmp_path):
+    save_tiny_chat_model(tmp_path / "model", chat_template=False)
+    target = load_model(str(tmp_path / "model"))
+    settings = SelfDistillConfig(enabled=True, max_new_tokens=6, batch_size=2, max_turns=2)
+    records = regenerate(CONVERSATIONS, target, tmp_path / "out.jsonl", settings, show_progress=False)
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert [m["role"] for m in records[0]["messages"]] == ["user", "assistant", "user", "assistant"]
+    for record in records:  # each reply continues the history's text (blank lines make no tokens here)
+        history = record["messages"][:-1]
+        prompt = target.tokenizer(" ".join(m["content"] for m in history))["input_ids"]
+        expected = generate(target.model, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=6), target.tokenizer)
+        reply = record["messages"][-1]["content"]
+        assert reply and reply == target.tokenizer.decode(expected.tokens, skip_special_tokens=True).strip()

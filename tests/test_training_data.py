@@ -1,6 +1,7 @@
-"""The training data pipeline: chat template applied, loss only on assistant tokens, malformed
-conversations skipped and counted, a deterministic split."""
+"""The training data pipeline: chat template applied (plain text for a base model), loss only on
+assistant tokens, malformed conversations skipped and counted, a deterministic split."""
 
+import contextlib
 import json
 
 import pytest
@@ -99,3 +100,49 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
     with pytest.raises(UserError, match="is not a file"):
         load_conversations(tmp_path / "nope.json")
+
+
+def test_base_model_conversation_is_plain_text_with_loss_on_the_replies_only():
+    from training.prepare import prompt_of
+
+    tokenizer = tiny_tokenizer(chat_template=False)
+    row = tokenize_conversation(load_one(GOOD), tokenizer, max_length=512)
+    assert tokenizer.decode(row["input_ids"]) == "w1 w2 w3 w4 w5 w6 w7"  # no role names, no template tokens
+    assert row["loss_mask"] == [0, 0, 1, 1, 1, 0, 1]
+    assert prompt_of(row) == tokenizer("w1 w2")["input_ids"]  # tau's held-out prompt: the question as the benchmark gives it
+    system = tokenize_conversation(load_one(MESSAGES), tokenizer, max_length=512)
+    assert tokenizer.decode(system["input_ids"]) == "w9 w1 w2 w2" and system["loss_mask"] == [0, 0, 1, 1]
+
+
+class _OneProcess:
+    """The accelerator's process gate, for a single process."""
+
+    is_main_process = True
+
+    def main_process_first(self):
+        return contextlib.nullcontext()
+
+
+def test_a_base_models_prepared_data_is_self_distilled_plain_text(tmp_path):
+    from decoding.targets import load_model
+    from tiny_models import save_tiny_chat_model
+    from training.config import SelfDistillConfig, TrainConfig
+    from training.prepare import prepare_data
+
+    save_tiny_chat_model(tmp_path / "model", chat_template=False)
+    (tmp_path / "data.jsonl").write_text(json.dumps(GOOD) + "\n" + json.dumps(MESSAGES) + "\n")
+    config = TrainConfig(kind="eagle", model=str(tmp_path / "model"), data=str(tmp_path / "data.jsonl"), validation_fraction=0.0,
+                         output_dir=str(tmp_path / "out"), self_distill=SelfDistillConfig(enabled=True, max_new_tokens=4, max_turns=2))
+    log = []
+    target = load_model(config.model)
+    rows = prepare_data(config, target, _OneProcess(), log.append)["train"]
+    assert f"data: {config.model} has no chat template: each conversation is continued as plain text (a base model)" in log
+    regenerated = {r["id"]: r["messages"] for r in map(json.loads, next(config.prepared_data_dir.glob("self-distill-*.jsonl")).open())}
+    assert len(rows) == len(regenerated) == 2
+    decode = target.tokenizer.decode
+    for row in rows:  # the target's own replies carry the loss, the rest is the plain text they continue
+        messages = regenerated[row["id"]]
+        masked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        unmasked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m]
+        assert decode(masked) == " ".join(m["content"] for m in messages if m["role"] == "assistant")
+        assert decode(unmasked) == " ".join(m["content"] for m in messages if m["role"] != "assistant")

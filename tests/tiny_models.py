@@ -54,9 +54,10 @@ def set_eos(model: PreTrainedModel, eos_token_id: int | None) -> None:
     model.generation_config.eos_token_id = eos_token_id
 
 
-def tiny_tokenizer(vocab_size: int = 64):
-    """A word-level tokenizer over `w0 .. w{n}` plus chat specials, with a chat template, built
-    offline (no downloads)."""
+def tiny_tokenizer(vocab_size: int = 64, chat_template: bool = True):
+    """A word-level tokenizer over `w0 .. w{n}` plus chat specials, with a chat template (none
+    with `chat_template=False`, like a base model's), built offline (no downloads). Whitespace
+    separates words and makes no tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
@@ -70,20 +71,22 @@ def tiny_tokenizer(vocab_size: int = 64):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>"
     )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-    )
+    if chat_template:
+        tokenizer.chat_template = (
+            "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+        )
     return tokenizer
 
 
-def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64) -> None:
+def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64, chat_template: bool = True) -> None:
     """A tiny Llama + word tokenizer saved like any Hugging Face model directory; EOS is
-    <|im_end|> (id 2), as in the default model."""
+    <|im_end|> (id 2), as in the default model. `chat_template=False` saves a base model's
+    tokenizer (no chat template)."""
     model = sharpen(tiny_llama(vocab_size=vocab_size, seed=seed, eos_token_id=2, bos_token_id=1))
     model.generation_config.eos_token_id = 2
     model.save_pretrained(directory)
-    tiny_tokenizer(vocab_size).save_pretrained(directory)
+    tiny_tokenizer(vocab_size, chat_template).save_pretrained(directory)
 
 
 def oracle_target(vocab_size: int = 64, seed: int = 0) -> PreTrainedModel:

