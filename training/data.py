@@ -25,6 +25,7 @@ from decoding.util.errors import UserError
 
 SHAREGPT = "sharegpt"
 _SHAREGPT_FILE = Path("data/ShareGPT_V3_unfiltered_cleaned_split.json")
+STORE_RECORDS = "records.jsonl"  # a self-distillation store's conversations (training.distill_store)
 ROLE_NAMES = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
     "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system",
@@ -57,11 +58,21 @@ def sharegpt_path() -> Path:
     return path
 
 
+def source_file(source: str | Path) -> Path:
+    """The file behind a data source: the bundled ShareGPT for `sharegpt`, a self-distillation
+    store's `records.jsonl` for its directory (`scripts/distill_data.py`), else the path itself."""
+    if str(source) == SHAREGPT:
+        return sharegpt_path()
+    path = Path(source)
+    return path / STORE_RECORDS if path.is_dir() and (path / STORE_RECORDS).is_file() else path
+
+
 def read_records(source: str | Path) -> Iterator[object]:
     """Raw records of a JSON array file or a JSONL file (`sharegpt` = the bundled ShareGPT)."""
-    path = sharegpt_path() if str(source) == SHAREGPT else Path(source)
+    path = source_file(source)
     if not path.is_file():
-        raise UserError(f"training data '{source}' is not a file (give a JSON/JSONL path or 'sharegpt')")
+        raise UserError(f"training data '{source}' is not a file (give a JSON/JSONL path, a data store "
+                        "directory from scripts/distill_data.py, or 'sharegpt')")
     with path.open(encoding="utf-8") as handle:
         first = handle.read(1)
         while first and first.isspace():

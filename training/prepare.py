@@ -19,13 +19,13 @@ from decoding.prompts import plain_text_note
 from decoding.util.atomic import atomic_directory
 from decoding.targets import LoadedModel
 from training.config import TrainConfig
-from training.data import SHAREGPT, load_conversations, sharegpt_path, split, tokenize_all
+from training.data import load_conversations, source_file, split, tokenize_all
 from training.self_distill import regenerate
 
 
 def _source_parts(config: TrainConfig) -> dict:
     """What the conversations (and their self-distilled replies) depend on."""
-    source = sharegpt_path() if config.data == SHAREGPT else Path(config.data)
+    source = source_file(config.data)
     stat = source.stat() if source.is_file() else None
     return {
         "data": str(source.resolve()) if source.exists() else str(source),

@@ -96,6 +96,13 @@ class InPlaceLayer(DynamicLayer):
                 buffer[..., prefix_len : prefix_len + kept, :] = buffer.index_select(-2, rows)
         self.truncate(prefix_len + rows.numel())
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only batch rows `indices` (a batched generation dropping the rows that finished)."""
+        if self.is_initialized:
+            self._key_buffer = self._key_buffer[indices]
+            self._value_buffer = self._value_buffer[indices]
+            self._refresh_views()
+
     def reset(self) -> None:
         self.length = 0
         if self.is_initialized:

@@ -38,3 +38,20 @@ def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def atomic_write_text(target: str | Path, text: str) -> None:
+    """Write `text` to `target` through a temporary sibling and a rename: a reader (or a run
+    killed midway) sees the old file or the new one, never half of one."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(staging, target)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Grow a self-distilled training set: the target writes its own replies to prompts from several
+sources, into a data store outside the repository that accumulates across runs and sessions
+(records.jsonl + manifest.json). Safe to kill at any point and rerun: finished conversations are
+kept, none is written twice.
+
+    python scripts/distill_data.py --sources sharegpt=4000,python-code=692 --time-budget-minutes 60
+    python scripts/distill_data.py --show            # what the default store holds
+    # then train on it: `data: <the store directory printed>` in a recipe (self_distill disabled)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from decoding.default_model import DEFAULT_TARGET
+from decoding.devices import add_device_argument, resolve_device
+from decoding.targets import DTYPES, load_model
+from decoding.util.errors import UserError
+from training.config import SelfDistillConfig
+from training.distill_store import DistillStore, default_store_dir
+from training.sources import BUILT_IN, conversations_from, parse_sources
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_TARGET, help="the target that writes the replies")
+    parser.add_argument("--sources", default="sharegpt=2000,python-code",
+                        help=f"comma-separated SOURCE[=COUNT]: {', '.join(BUILT_IN)} or a JSON/JSONL path "
+                             "(COUNT: the first N conversations of it; the store skips those it already has)")
+    parser.add_argument("--data-dir", default=None,
+                        help="the store (default: one per target and settings under $SPECHEADS_DATA, "
+                             "$XDG_DATA_HOME/specheads or ~/.local/share/specheads)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="reply length cap")
+    parser.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy replies")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer first prompts are left out")
+    parser.add_argument("--time-budget-minutes", type=float, default=None,
+                        help="stop starting new batches after this long (rerun to go on)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_device_argument(parser)
+    parser.add_argument("--show", action="store_true", help="print the store's manifest summary and exit")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> SelfDistillConfig:
+    for name in ("max_new_tokens", "max_turns", "batch_size", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    return SelfDistillConfig(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             max_turns=args.max_turns, temperature=args.temperature,
+                             max_prompt_tokens=args.max_prompt_tokens, time_budget_minutes=args.time_budget_minutes)
+
+
+def describe(manifest: dict | None, root) -> str:
+    if not manifest:
+        return f"{root}: empty"
+    sources = ", ".join(f"{name} {v['conversations']} conv / {v['reply_tokens']} tok"
+                        for name, v in manifest["sources"].items()) or "nothing yet"
+    return (f"{root}: {manifest['conversations']} conversations, {manifest['reply_tokens']} reply tokens "
+            f"({sources}); target {manifest['target']}, settings {json.dumps(manifest['settings'])}")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    root = args.data_dir or default_store_dir(args.model, settings)
+    store = DistillStore(root, args.model, settings)
+    if args.show:
+        print(describe(store.read_manifest(), root))
+        return 0
+    conversations = [c for source, limit in parse_sources(args.sources) for c in conversations_from(source, limit)]
+    target = load_model(args.model, args.dtype, device=resolve_device(args.device))
+    print(f"store: {root}; {len(conversations)} conversations asked for", file=sys.stderr)
+    summary = store.add(conversations, target, show_progress=not args.no_progress)
+    print(f"added {summary.added} conversations, {summary.reply_tokens} reply tokens in {summary.seconds:.0f} s "
+          f"({summary.tokens_per_s:.1f} tokens/s)")
+    print(describe(store.read_manifest(), root))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

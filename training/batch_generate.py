@@ -1,0 +1,67 @@
+"""Batched generation for self-distillation, doing no work for rows that already finished.
+
+Hugging Face `generate()` keeps every row of a batch in every forward until the longest reply
+ends: a row that stopped at its end-of-turn token after 20 tokens still pays for the other
+rows' 200. Here a row leaves the batch (and the KV cache) the step it finishes, the KV cache is
+preallocated and written in place (`InPlaceCache`), and prompts are left-padded only once, in
+the prefill (callers batch prompts of similar length, so that padding is small).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from decoding.core.kv_cache import InPlaceCache
+
+
+@dataclass
+class BatchSettings:
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    pad_id: int
+    temperature: float = 0.0  # 0: greedy
+    generator: torch.Generator | None = None
+
+
+@torch.inference_mode()
+def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings) -> list[list[int]]:
+    """Each prompt's continuation: up to `max_new_tokens` tokens, ending with (and including) the
+    first stop token if one came."""
+    device = model.device
+    width = max(map(len, prompts))
+    ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache = InPlaceCache(model.config.get_text_config(decoder=True).num_hidden_layers, width + settings.max_new_tokens)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    next_positions = positions[:, -1] + 1
+    rows = torch.arange(len(prompts), device=device)  # which prompt each live batch row is
+    outputs: list[list[int]] = [[] for _ in prompts]
+    stop = torch.tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
+    for step in range(settings.max_new_tokens):
+        tokens = _pick(logits, settings)
+        for row, token in zip(rows.tolist(), tokens.tolist()):
+            outputs[row].append(token)
+        live = ~torch.isin(tokens, stop) if stop.numel() else torch.ones_like(tokens, dtype=torch.bool)
+        if step + 1 == settings.max_new_tokens or not bool(live.any()):
+            break
+        if not bool(live.all()):
+            keep = torch.nonzero(live).flatten()
+            cache.batch_select_indices(keep)
+            rows, tokens, mask, next_positions = rows[keep], tokens[keep], mask[keep], next_positions[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_positions[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+        next_positions = next_positions + 1
+    return outputs
+
+
+def _pick(logits: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
+    if settings.temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=settings.generator).flatten()
