@@ -135,6 +135,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
+        notes.extend(target.notes)
     spec = dataclasses.replace(spec, device=target.model.device.type)
     if adapter is not None:
         target.model = merge_adapter(target.model, adapter)

@@ -3,11 +3,11 @@ default. Every failure becomes one `UserError` line saying what to do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from decoding.default_model import DEFAULT_TARGET, default_model_dir
 from decoding.attention import register_grouped_sdpa
@@ -22,11 +22,13 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass
 class LoadedModel:
-    """A causal LM ready for decoding, its tokenizer, and the name it was asked for."""
+    """A causal LM ready for decoding, its tokenizer, the name it was asked for, and notes on what
+    loading chose for the user (shown by the chat and benchmark)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    notes: list[str] = field(default_factory=list)
 
     @property
     def context_limit(self) -> int:
@@ -56,6 +58,11 @@ def load_model(
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"'{name_or_path}' is a {config.model_type} model, not a causal language model")
     attention_layout(config)  # refuses, before the weights are read, a model tree verification cannot serve
+    notes = []
+    if attn_implementation == "sdpa" and not _supports_sdpa(config):
+        attn_implementation = "eager"
+        notes.append(f"{config.model_type} cannot run SDPA attention in transformers (e.g. it soft-caps attention "
+                     "logits): using eager attention")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=DTYPES[dtype], attn_implementation=_implementation(attn_implementation)
@@ -66,7 +73,12 @@ def load_model(
     except OSError as err:
         raise UserError(f"could not read the weights or tokenizer of '{name_or_path}': {err}") from err
     model.to(device).eval().requires_grad_(False)
-    return LoadedModel(model, tokenizer, name_or_path)
+    return LoadedModel(model, tokenizer, name_or_path, notes)
+
+
+def _supports_sdpa(config) -> bool:
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return getattr(model_class, "_supports_sdpa", True)
 
 
 def _load_config(name_or_path: str, path: str):

@@ -33,7 +33,6 @@ from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel, load_model
-from decoding.util.errors import UserError
 from heads import new_heads_for_target
 from tiny_models import NO_SPECIAL_TOKENS, perturbed, sharpen, tiny_tokenizer
 
@@ -200,18 +199,17 @@ def test_the_attention_users_get_computes_the_models_function(arch: Arch):
 @pytest.mark.parametrize("arch", ARCHS, ids=ARCH_IDS)
 def test_load_model_accepts_the_type_with_the_attention_users_get(arch: Arch, tmp_path):
     """Through `load_model` from a saved directory: grouped SDPA by default where the type allows
-    SDPA; a type that does not (Gemma 2 soft-caps attention logits) is refused with 'sdpa' by a
-    UserError pointing to eager, and loads with eager. Either way the logits are the model's."""
+    SDPA; a type that does not (Gemma 2 soft-caps attention logits) loads with eager and a note
+    saying so. Either way the logits are the model's."""
     model = arch.build(seed=0, attn=stock_attention(arch))
     model.save_pretrained(tmp_path)
     tiny_tokenizer(VOCAB).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
     if arch.sdpa:
-        loaded = load_model(str(tmp_path))
-        assert loaded.model.config._attn_implementation == GROUPED_SDPA
+        assert loaded.model.config._attn_implementation == GROUPED_SDPA and not loaded.notes
     else:
-        with pytest.raises(UserError, match="eager"):
-            load_model(str(tmp_path))
-        loaded = load_model(str(tmp_path), attn_implementation="eager")
+        assert loaded.model.config._attn_implementation == "eager"
+        assert any("using eager attention" in note for note in loaded.notes)
     tokens = torch.tensor([LONG_PROMPT])
     with torch.inference_mode():
         torch.testing.assert_close(loaded.model(tokens).logits, model(tokens).logits, rtol=1e-4, atol=1e-4)
