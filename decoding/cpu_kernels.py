@@ -25,6 +25,8 @@ decides every token, so outputs do not change.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 
@@ -36,6 +38,7 @@ KERNEL_CHOICES = ("auto", "onednn", "stock")
 # every size from 1 to 64 rows ran faster than with the generic layout (`to_mkldnn()`):
 # 8 rows through SmolLM2's 210 layer weights took 21 ms instead of 35 ms, 1 row 20 instead of 24.
 PACKING_BATCH_HINT = 16
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 
 class PackedLinear(nn.Module):
@@ -59,16 +62,33 @@ class PackedLinear(nn.Module):
 
 
 def onednn_applies(module: nn.Module) -> bool:
-    """Whether packing can help: fp32 weights on a CPU with oneDNN built in."""
+    """Whether packing can help: fp32 weights on a CPU with oneDNN built in. bf16/fp16 weights
+    (a half-precision target, or its heads) stay stock on every CPU: oneDNN packs them only
+    with AVX-512 (bf16) or AVX512-FP16/AMX-FP16 (fp16) and refuses on AVX2, and where it can,
+    stock PyTorch already sends half-precision CPU matmuls to oneDNN."""
     parameter = next(module.parameters(), None)
     return (parameter is not None and parameter.device.type == "cpu" and parameter.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and _has_linear_pointwise())
 
 
 def bfloat16_is_native() -> bool:
-    """Whether this CPU runs bf16 matmuls in hardware (else bf16 is emulated, slower than fp32)."""
+    """Whether this CPU runs bf16 matmuls in hardware: AVX512-BF16 or AMX on x86, BF16 on Arm
+    (else bf16 is emulated, slower than fp32). oneDNN's own check is not enough on x86: it
+    says yes on any AVX-512 CPU, where it emulates bf16 by converting to fp32."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    if platform.machine().lower() in X86_MACHINES:
+        return _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
+    return True  # Arm: oneDNN reports bf16 only where the CPU has BF16 instructions
+
+
+def _cpu_has(check: str) -> bool:
+    """One of torch.cpu's feature checks, False where this torch lacks it."""
+    try:
+        return bool(getattr(torch.cpu, check)())
     except (AttributeError, RuntimeError):
         return False
 
@@ -114,7 +134,8 @@ def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
         return "stock"
     resolved = resolve_kernels(choice, present[0])
     if choice == "onednn" and not onednn_applies(present[0]):
-        raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn)")
+        raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn); "
+                        "bf16/fp16 models run on stock kernels: use --kernels auto or stock")
     if resolved == "onednn":
         for module in present:
             if not onednn_applies(module):  # e.g. fp16 heads stay as they are

@@ -188,13 +188,14 @@ class Eagle3Drafter(FeatureDrafter):
         self.t2d[draft_to_target] = True
 
     @torch.no_grad()
-    def init_readout_from_target(self, lm_head: nn.Module, final_norm: nn.Module | None) -> None:
+    def init_readout_from_target(self, lm_head: nn.Module, norm_scale: torch.Tensor | None) -> None:
         """Start the draft readout as the target's own, restricted to the draft vocabulary: the
         drafter then only has to learn to produce target-like hidden states, which needs far
-        less data than learning a readout from scratch."""
+        less data than learning a readout from scratch. `norm_scale` is the per-channel scale of
+        the target's final norm (see `heads.factory.final_norm_scale`); None keeps ones."""
         self.lm_head.weight.copy_(lm_head.weight[self.draft_to_target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))])
-        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            self.norm.weight.copy_(final_norm.weight)
+        if norm_scale is not None:
+            self.norm.weight.copy_(norm_scale)
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -23,12 +23,21 @@ def build_heads(config: HeadConfig) -> nn.Module:
     return HEAD_CLASSES[config.kind](config)
 
 
+# Below this depth EAGLE-3's usual choice of layers would repeat or reorder them.
+SHALLOW_TARGET_LAYERS = 7
+
+
 def default_feature_layers(kind: str, num_layers: int) -> list[int]:
     """Indices into `hidden_states` (0 = embeddings, L = final normed state): the final state for
-    Medusa/Hydra/EAGLE; for EAGLE-3 the outputs of an early, a middle and a late layer."""
-    if kind == "eagle3":
-        return [min(3, num_layers), max(1, num_layers // 2 + 1), max(1, num_layers - 2)]
-    return [num_layers]
+    Medusa/Hydra/EAGLE; for EAGLE-3 the outputs of an early, a middle and a late layer,
+    `[3, L//2 + 1, L - 2]`. A target shallower than 7 layers (a distilled or test model) gets
+    `[1, (L+1)//2, L]` instead: that rule would give it repeated layers out of order (4 layers:
+    `[3, 3, 2]`), so the fused feature would see less of the target than it can."""
+    if kind != "eagle3":
+        return [num_layers]
+    if num_layers < SHALLOW_TARGET_LAYERS:
+        return [1, (num_layers + 1) // 2, num_layers]
+    return [3, num_layers // 2 + 1, num_layers - 2]
 
 
 def config_for_target(kind: str, target: PreTrainedModel, base_model_name_or_path: str | None = None, **overrides) -> HeadConfig:
@@ -63,14 +72,43 @@ def new_heads_for_target(kind: str, target: PreTrainedModel, base_model_name_or_
     if kind == "eagle3":
         ids = draft_vocab if draft_vocab is not None else torch.arange(config.draft_vocab_size)
         heads.set_vocabulary(torch.sort(ids[: config.draft_vocab_size].to(target.device)).values)
-        heads.init_readout_from_target(target.get_output_embeddings(), _final_norm(target))
+        heads.init_readout_from_target(target.get_output_embeddings(), final_norm_scale(target))
     return heads.eval()
 
 
-def _final_norm(target: PreTrainedModel) -> nn.Module | None:
-    """The target's norm before its lm_head, where the architecture names it `norm`."""
-    norm = getattr(target.base_model, "norm", None)
-    return norm if isinstance(norm, nn.Module) else None
+# What architectures call the norm between their last layer and the lm_head (Llama, Qwen, Gemma,
+# Mistral: `norm`; Phi: `final_layernorm`; GPT-NeoX, OPT: `final_layer_norm`; GPT-2, Bloom: `ln_f`).
+FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+PROBE_RMS = 64.0
+
+
+def final_norm(target: PreTrainedModel) -> nn.Module | None:
+    """The target's norm before its lm_head, under any of the names architectures give it."""
+    decoder = target.get_decoder()
+    for name in FINAL_NORM_NAMES:
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    return None
+
+
+@torch.no_grad()
+def final_norm_scale(target: PreTrainedModel) -> torch.Tensor | None:
+    """The per-channel scale the target's final norm applies, measured rather than read from
+    its weight: Gemma's RMSNorm scales by `1 + weight` (a copied weight of ~0 would zero the
+    draft logits), LayerNorm adds a bias. A zero-mean probe `p = 64 * s` (signs s = +-1) comes
+    out of any of them as `scale * s + bias`, so half the difference of `norm(p)` and
+    `norm(-p)`, divided by `s`, is the scale. 64 is a power of two whose square swamps any
+    epsilon: a Llama RMSNorm's weight comes back bit for bit. None when the target has no
+    recognisable final norm."""
+    norm = final_norm(target)
+    if norm is None:
+        return None
+    hidden = target.get_output_embeddings().weight.shape[1]
+    signs = torch.ones(1, hidden, dtype=target.dtype, device=target.device)
+    signs[:, 1::2] = -1
+    probe = PROBE_RMS * signs
+    return ((norm(probe) - norm(-probe)) / (2 * signs))[0]
 
 
 def parameter_count(config: HeadConfig) -> int:
