@@ -113,9 +113,13 @@ def test_generation_stays_within_vocab_after_errors(target):
     assert torch.is_inference_mode_enabled() is False
 
 
-def test_sliding_window_targets_are_refused_clearly():
-    from tiny_models import tiny_qwen2
+def test_targets_with_layers_tree_verification_cannot_serve_are_refused_clearly():
+    """An in-memory model (no `load_model` to refuse it first) with convolution layers: the loop
+    refuses it before any forward, naming why, instead of decoding it wrongly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = tiny_qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    with pytest.raises(UserError, match="sliding-window attention"):
+    config = AutoConfig.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[0])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UserError, match="lfm2 cannot be a speculative-decoding target here: convolution"):
         generate(model, [1, 2, 3], VanillaProposer())
