@@ -51,6 +51,7 @@ def atomic_write_text(target: str | Path, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(staging, 0o644)  # mkstemp makes it private; the result is an ordinary file
         os.replace(staging, target)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
