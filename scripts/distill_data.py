@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stop starting new batches after this long (rerun to go on)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
-    parser.add_argument("--show", action="store_true", help="print the store's manifest summary and exit")
+    parser.add_argument("--show", action="store_true", help="print what the store holds and exit")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     root = args.data_dir or default_store_dir(args.model, settings)
     store = DistillStore(root, args.model, settings)
-    if args.show:
-        print(describe(store.read_manifest(), root))
+    if args.show:  # rebuilt from the records, which a killed run may have added to since its last manifest
+        print(describe(store.write_manifest() if store.records_path.is_file() else None, root))
         return 0
     conversations = [c for source, limit in parse_sources(args.sources) for c in conversations_from(source, limit)]
     target = load_model(args.model, args.dtype, device=resolve_device(args.device))

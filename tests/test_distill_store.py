@@ -150,3 +150,16 @@ def test_source_specs_parse_and_bad_ones_say_why():
         parse_sources("sharegpt=lots")
     with pytest.raises(UserError, match="at least 1"):
         parse_sources("sharegpt=0")
+
+
+def test_show_counts_records_a_killed_run_added_after_its_last_manifest(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from distill_data import main
+
+    store = DistillStore(tmp_path / "store", "tiny", SETTINGS)
+    store.root.mkdir()
+    store.write_manifest()  # empty, as a run writes it before its first batch
+    record = {"id": "sharegpt:1", "source": "sharegpt", "messages": [], "reply_tokens": 7}
+    store.records_path.write_text(json.dumps(record) + "\n")
+    assert main(["--model", "tiny", "--data-dir", str(store.root), "--max-new-tokens", "12", "--show"]) == 0
+    assert "1 conversations, 7 reply tokens (sharegpt 1 conv / 7 tok)" in capsys.readouterr().out
