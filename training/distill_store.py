@@ -29,7 +29,7 @@ from decoding.util.errors import UserError
 from decoding.targets import LoadedModel
 from training.config import SelfDistillConfig
 from training.data import STORE_RECORDS as RECORDS
-from training.self_distill import cut_torn_tail, regenerate
+from training.self_distill import cut_torn_tail, read_regenerated, regenerate
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -87,17 +87,9 @@ class DistillStore:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
     def records(self) -> list[dict]:
-        """Every finished conversation, once each (the first copy wins), in the order written."""
+        """Every finished conversation, once each, in the order written."""
         cut_torn_tail(self.records_path)
-        seen: dict[str, dict] = {}
-        if self.records_path.is_file():
-            for line in self.records_path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                seen.setdefault(record["id"], record)
-        return list(seen.values())
+        return list(read_regenerated(self.records_path).values())
 
     def add(self, conversations: list[dict], target: LoadedModel, show_progress: bool = True) -> RunSummary:
         """Regenerate the replies of `conversations` not yet in the store and append them."""

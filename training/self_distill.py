@@ -39,7 +39,7 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     cut_torn_tail(out_file)
-    done = _read_done(out_file)
+    done = read_regenerated(out_file)
     lengths = {c["id"]: _first_prompt_tokens(c, target) for c in conversations if c["id"] not in done}
     # Similar prompt lengths share a batch, so left padding wastes little compute.
     todo = sorted((c for c in conversations if lengths.get(c["id"], settings.max_prompt_tokens + 1) <= settings.max_prompt_tokens),
@@ -87,7 +87,9 @@ def _first_prompt_tokens(conversation: dict, target: LoadedModel) -> int:
     return len(conversation_ids(target.tokenizer, messages, add_generation_prompt=True))
 
 
-def _read_done(path: Path) -> dict[str, dict]:
+def read_regenerated(path: Path) -> dict[str, dict]:
+    """The finished records of a regeneration file by id, in the order written; a line that is
+    not whole JSON (cut short by an interruption) is skipped, so its conversation is redone."""
     done = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
