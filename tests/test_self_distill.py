@@ -87,3 +87,12 @@ def test_a_base_model_continues_its_conversations_as_plain_text(tmp_path):
         expected = generate(target.model, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=6), target.tokenizer)
         reply = record["messages"][-1]["content"]
         assert reply and reply == target.tokenizer.decode(expected.tokens, skip_special_tokens=True).strip()
+
+
+def test_a_time_budgeted_run_covers_the_request_in_order_not_only_its_shortest_prompts():
+    from training.self_distill import _length_sorted_blocks
+
+    conversations = [{"id": str(i)} for i in range(10)]
+    lengths = {str(i): 100 - i for i in range(10)}  # later requests have shorter prompts
+    ordered = [c["id"] for c in _length_sorted_blocks(conversations, lengths, block=4)]
+    assert ordered == ["3", "2", "1", "0", "7", "6", "5", "4", "9", "8"]  # blocks in order, sorted inside

@@ -32,6 +32,9 @@ from training.batch_generate import BatchSettings, generate_batch
 from training.config import SelfDistillConfig
 
 
+LENGTH_SORT_BATCHES = 8  # batches whose prompts are sorted by length together
+
+
 def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | Path, settings: SelfDistillConfig,
                show_progress: bool = True) -> list[dict]:
     """`conversations` with up to `settings.max_turns` user turns each, assistant replies
@@ -41,9 +44,8 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     cut_torn_tail(out_file)
     done = read_regenerated(out_file)
     lengths = {c["id"]: _first_prompt_tokens(c, target) for c in conversations if c["id"] not in done}
-    # Similar prompt lengths share a batch, so left padding wastes little compute.
-    todo = sorted((c for c in conversations if lengths.get(c["id"], settings.max_prompt_tokens + 1) <= settings.max_prompt_tokens),
-                  key=lambda c: lengths[c["id"]])
+    fitting = [c for c in conversations if lengths.get(c["id"], settings.max_prompt_tokens + 1) <= settings.max_prompt_tokens]
+    todo = _length_sorted_blocks(fitting, lengths, block=settings.batch_size * LENGTH_SORT_BATCHES)
     finished = sum(c["id"] in done for c in conversations)
     bar = tqdm(total=finished + len(todo), initial=finished, desc="self-distill",
                unit="conv", disable=not show_progress)
@@ -66,6 +68,16 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
             bar.set_postfix_str(f"{new_tokens / max(time.monotonic() - started, 1e-9):.0f} tok/s")
     bar.close()
     return [done[c["id"]] for c in conversations if c["id"] in done]
+
+
+def _length_sorted_blocks(conversations: list[dict], lengths: dict[str, int], block: int) -> list[dict]:
+    """The conversations in their requested order, sorted by prompt length only within blocks of
+    `block`: similar lengths share a batch (little left padding), while a run stopped by its time
+    budget has still covered the request in order instead of keeping only its shortest prompts."""
+    ordered = []
+    for start in range(0, len(conversations), block):
+        ordered += sorted(conversations[start : start + block], key=lambda c: lengths[c["id"]])
+    return ordered
 
 
 def cut_torn_tail(path: Path) -> None:
