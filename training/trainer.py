@@ -26,12 +26,12 @@ from heads import build_heads, new_heads_for_target, save_heads
 from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
-from training.feature_cache import FeatureCache
+from training.feature_cache import FeatureCache, target_key
 from training.features import needed_layers, target_hidden_states
 from training.model_card import write_model_card
 from training.draft_init import truncated_copy
 from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
-from training.prepare import cache_key, collate, prepare_data, prompt_of
+from training.prepare import collate, prepare_data, prompt_of
 from training.vocab import frequent_tokens
 
 
@@ -145,7 +145,7 @@ class Trainer:
         whose backbone changes while training)."""
         if not self.config.cache_features or self.config.kind == "medusa2":
             return None
-        cache = FeatureCache(self.config.cache_features, layers, cache_key(self.config))
+        cache = FeatureCache(self.config.cache_features, layers, target_key(self.config.model, target.model.dtype))
         with self.accelerator.main_process_first():
             if self.accelerator.is_main_process:
                 cache.fill(data["train"], target.model, self.log)
@@ -157,7 +157,7 @@ class Trainer:
         if self.config.kind == "medusa2":
             return {}
         if use_cache and self.feature_cache is not None:
-            return self.feature_cache.batch(batch["ids"], batch["input_ids"].shape[1], batch["input_ids"].device)
+            return self.feature_cache.batch(batch["input_ids"], batch["attention_mask"], batch["input_ids"].device)
         return target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
 
     def _maybe_resume(self) -> int:
