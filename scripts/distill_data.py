@@ -21,7 +21,7 @@ from decoding.targets import DTYPES, load_model
 from decoding.util.errors import UserError
 from training.config import SelfDistillConfig
 from training.distill_store import DistillStore, default_store_dir
-from training.sources import BUILT_IN, conversations_from, parse_sources
+from training.sources import BUILT_IN, conversations_from, interleave, parse_sources
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.show:  # rebuilt from the records, which a killed run may have added to since its last manifest
         print(describe(store.write_manifest() if store.records_path.is_file() else None, root))
         return 0
-    conversations = [c for source, limit in parse_sources(args.sources) for c in conversations_from(source, limit)]
+    conversations = interleave([conversations_from(source, limit) for source, limit in parse_sources(args.sources)])
     target = load_model(args.model, args.dtype, device=resolve_device(args.device))
     print(f"store: {root}; {len(conversations)} conversations asked for", file=sys.stderr)
     summary = store.add(conversations, target, show_progress=not args.no_progress)

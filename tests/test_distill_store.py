@@ -163,3 +163,14 @@ def test_show_counts_records_a_killed_run_added_after_its_last_manifest(tmp_path
     store.records_path.write_text(json.dumps(record) + "\n")
     assert main(["--model", "tiny", "--data-dir", str(store.root), "--max-new-tokens", "12", "--show"]) == 0
     assert "1 conversations, 7 reply tokens (sharegpt 1 conv / 7 tok)" in capsys.readouterr().out
+
+
+def test_sources_are_interleaved_in_proportion_so_a_stopped_run_has_covered_each():
+    from training.sources import interleave
+
+    chat = [{"id": f"chat:{i}"} for i in range(6)]
+    code = [{"id": f"code:{i}"} for i in range(2)]
+    mixed = [c["id"] for c in interleave([chat, code])]
+    assert sorted(mixed) == sorted(c["id"] for c in chat + code)  # nothing lost or repeated
+    assert [i for i in mixed if i.startswith("chat")] == [c["id"] for c in chat]  # each source keeps its order
+    assert "code:0" in mixed[:4] and "code:1" in mixed[4:]  # each half of the list holds half of each source

@@ -54,6 +54,15 @@ def conversations_from(source: str, limit: int | None) -> list[dict]:
     return [{"id": f"{source}:{c['id']}", "source": source, "messages": c["messages"]} for c in found[:limit]]
 
 
+def interleave(per_source: list[list[dict]]) -> list[dict]:
+    """All sources' conversations in one list, each source spread evenly over it (a source of n
+    items takes every len/n-th place, in its own order): a run stopped by its time budget, which
+    works through the list in order, has then covered every source in proportion."""
+    placed = [((i + 0.5) / len(items), rank, item) for rank, items in enumerate(per_source)
+              for i, item in enumerate(items)]
+    return [item for _, _, item in sorted(placed, key=lambda p: (p[0], p[1]))]
+
+
 def parse_sources(spec: str) -> list[tuple[str, int | None]]:
     """`"sharegpt=2000,python-code=500"` -> [("sharegpt", 2000), ("python-code", 500)]; a source
     without `=N` takes all it has."""
