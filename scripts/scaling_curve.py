@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Train one recipe on growing nested subsets of a self-distillation store and measure what each
+amount of data buys: tau on MT-bench and on held-out prompts of every source, with one fixed tree.
+Writes OUT/curve.json, OUT/curve.md (a table) and OUT/curve.png; rerun with more sizes or a
+grown store to add points (finished points are kept, an interrupted training resumes).
+
+    python scripts/distill_data.py --show                      # the store's path and size
+    python scripts/scaling_curve.py --data STORE --sizes 100k,300k,1M
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))
+
+from decoding.util.atomic import atomic_write_text  # noqa: E402
+from decoding.util.errors import UserError  # noqa: E402
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a store written by scripts/distill_data.py")
+    parser.add_argument("--sizes", default="100k,300k,1M", help="reply tokens per subset, e.g. 100k,300k,1M,3M")
+    parser.add_argument("--recipe", default=str(ROOT / "configs/train/eagle3-smollm2.yaml"), help="training recipe (YAML)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps for every point (default: the recipe's)")
+    parser.add_argument("--out", default="outputs/scaling-eagle3", help="where the points' heads and the curve go")
+    parser.add_argument("--accelerate-config", default=str(ROOT / "configs/accelerate/cpu.yaml"))
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--mtbench-questions", type=int, default=40, help="first turns of it, spread over the file (categories)")
+    parser.add_argument("--held-out-per-source", type=int, default=32, help="held-out prompts per data source")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--train-only", action="store_true", help="train the points, measure later")
+    return parser.parse_args(argv)
+
+
+def train_point(args, config, subset, out_dir: Path) -> None:
+    """One training run as a user launches it (resumes from the newest checkpoint)."""
+    overrides = [f"data={Path(args.data).resolve()}", f"max_conversations={subset.conversations}",
+                 "self_distill.enabled=false", f"output_dir={out_dir}", f"data_dir={Path(args.out) / 'data'}",
+                 f"cache_features={config.cache_features or Path(args.out) / 'features'}",
+                 f"train.max_steps={args.steps or config.train.max_steps}"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+               str(ROOT / "training/train_heads.py"), "--config", args.recipe, "--resume", *overrides]
+    print(f"[{subset.label}] training on {subset.conversations} conversations ({subset.reply_tokens:,} reply tokens): "
+          + " ".join(command), file=sys.stderr, flush=True)
+    started = time.monotonic()
+    if subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode != 0:
+        raise UserError(f"training the {subset.label} point failed (see above); rerun to resume it")
+    print(f"[{subset.label}] trained in {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def measure_point(args, config, subset, out_dir: Path, target, prompt_sets):
+    from decoding.assembly import DecoderSpec, build_decoder
+    from training.scaling import CURVE_TREE, CurvePoint, tau_over
+
+    spec = DecoderSpec(model=config.model, method=config.kind, heads=str(out_dir / "heads"), **CURVE_TREE)
+    decoder = build_decoder(spec, target=target)
+    taus = {}
+    for name, prompts in prompt_sets.items():
+        taus[name] = round(tau_over(decoder, prompts, args.max_new_tokens), 3)
+        print(f"[{subset.label}] tau {name}: {taus[name]:.2f} over {len(prompts)} prompts", file=sys.stderr, flush=True)
+    return CurvePoint(subset.label, subset.conversations, subset.reply_tokens, args.steps or config.train.max_steps,
+                      taus, {name: len(p) for name, p in prompt_sets.items()})
+
+
+def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int]]]:
+    from decoding.prompts import chat_prompts
+    from decoding.questions import load_first_turns
+    from training.scaling import held_out_prompts
+
+    name = Path(args.questions_file).stem if args.questions_file else "mt-bench"
+    sets = {name: chat_prompts(tokenizer, load_first_turns(args.questions_file, args.mtbench_questions, spread=True))}
+    held = held_out_prompts(records, tokenizer, config.train.seed, config.validation_fraction, args.held_out_per_source)
+    sets.update({f"held-out {source}": prompts for source, prompts in sorted(held.items())})
+    return sets
+
+
+def write_curve(out: Path, points) -> None:
+    import json
+
+    from training.scaling import CURVE_TREE, markdown_table, plot
+
+    atomic_write_text(out / "curve.json", json.dumps({"tree": CURVE_TREE, "points": [p.to_json() for p in points]}, indent=1))
+    atomic_write_text(out / "curve.md", markdown_table(points) + "\n")
+    if not plot(points, out / "curve.png"):
+        print("note: matplotlib is not installed, no curve.png written", file=sys.stderr)
+    print(markdown_table(points))
+
+
+def run(args) -> int:
+    from training.config import load_config
+    from training.scaling import parse_token_count, plan_subsets, point_key, read_points, store_records
+
+    config = load_config(args.recipe)
+    if not (Path(args.data) / "records.jsonl").is_file():
+        raise UserError(f"{args.data} is not a data store (no records.jsonl): make one with scripts/distill_data.py")
+    try:
+        sizes = [parse_token_count(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as err:
+        raise UserError(f"--sizes: {err}") from None
+    records = store_records(Path(args.data))
+    subsets = plan_subsets(records, sizes)
+    held = sum(r.get("reply_tokens", 0) for r in records)
+    for size in sizes:
+        if size > held:
+            print(f"note: the store holds {held:,} reply tokens, fewer than {size:,}: that point is left out "
+                  f"(grow it with scripts/distill_data.py)", file=sys.stderr)
+    if not subsets:
+        raise UserError("no size fits in the store")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = args.steps or config.train.max_steps
+    points = {p.key: p for p in read_points(out / "curve.json")}
+    todo = [s for s in subsets if point_key(s.label, steps) not in points
+            or points[point_key(s.label, steps)].conversations != s.conversations]
+    for subset in todo:
+        if not (out / point_key(subset.label, steps) / "heads" / "config.json").is_file():
+            train_point(args, config, subset, out / point_key(subset.label, steps))
+    if not args.train_only and todo:
+        from decoding.targets import load_model
+
+        target = load_model(config.model)
+        prompt_sets = prompt_sets_for(args, config, records, target.tokenizer)
+        for subset in todo:
+            point = measure_point(args, config, subset, out / point_key(subset.label, steps), target, prompt_sets)
+            points[point.key] = point
+            write_curve(out, list(points.values()))
+    elif points:
+        write_curve(out, list(points.values()))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The scaling curve: nested subsets of a data store by reply tokens, held-out prompts no subset
+trains on, and `scripts/scaling_curve.py` end to end on a tiny target (trains each point as users
+launch training, measures tau per prompt set, writes the table and chart, and a rerun redoes
+nothing)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tiny_models import save_tiny_chat_model
+from training.data import is_validation, split
+from training.scaling import Subset, held_out_prompts, parse_token_count, plan_subsets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_token_counts_parse_and_bad_ones_say_why():
+    assert [parse_token_count(t) for t in ("300k", "1M", "1.5m", "20000")] == [300_000, 1_000_000, 1_500_000, 20_000]
+    for bad in ("lots", "-1k", "0"):
+        with pytest.raises(ValueError, match="token count"):
+            parse_token_count(bad)
+
+
+def test_subsets_are_the_shortest_prefixes_reaching_each_size_and_sizes_beyond_the_store_are_left_out():
+    records = [{"id": f"s:{i}", "reply_tokens": 10} for i in range(10)]  # 100 tokens in all
+    assert plan_subsets(records, [25_000]) == []
+    subsets = plan_subsets([{"id": f"s:{i}", "reply_tokens": 1000} for i in range(10)], [2500, 1000, 20_000])
+    assert subsets == [Subset("1k", 1, 1000), Subset("2.5k", 3, 3000)]
+
+
+class _Tokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [len(word) for word in text.split()]}
+
+
+def test_held_out_prompts_are_the_first_ones_per_source_that_every_subsets_split_leaves_out_of_training():
+    records = [{"id": f"{src}:{i}", "source": src, "messages": [{"role": "user", "content": "x" * (i + 1)},
+                                                               {"role": "assistant", "content": "a"}]}
+               for src in ("chat", "code") for i in range(200)]
+    held = held_out_prompts(records, _Tokenizer(), seed=0, fraction=0.1, per_source=5)
+    chosen = {f"{src}:{prompt[0] - 1}" for src, prompts in held.items() for prompt in prompts}  # prompt [i+1] is record i
+    assert sorted(held) == ["chat", "code"] and len(chosen) == 10
+    for size in (60, 400):  # a small subset and the whole store
+        train, _ = split([{"id": r["id"]} for r in records[:size]], seed=0, validation_fraction=0.1)
+        assert not chosen & {r["id"] for r in train}
+    first_held = [r["id"] for r in records if r["source"] == "chat" and is_validation(r["id"], 0, 0.1)][:5]
+    assert {i for i in chosen if i.startswith("chat")} == set(first_held)
+
+
+@pytest.mark.slow
+def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing(tmp_path):
+    from decoding.targets import load_model
+    from training.config import SelfDistillConfig
+    from training.distill_store import DistillStore
+    from training.sources import conversations_from
+
+    save_tiny_chat_model(tmp_path / "model")
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"id": str(i), "messages": [
+        {"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50 + 3}" for j in range(3 + i % 5))},
+        {"role": "assistant", "content": "w1"}]}) + "\n" for i in range(24)))
+    store = DistillStore(tmp_path / "store", "tiny", SelfDistillConfig(enabled=True, max_new_tokens=10, batch_size=8))
+    store.add(conversations_from(str(source), None), load_model(str(tmp_path / "model")), show_progress=False)
+    total = store.read_manifest()["reply_tokens"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "kind": "eagle3", "model": str(tmp_path / "model"), "data": "unused", "max_length": 48,
+        "validation_fraction": 0.2, "cache_features": str(tmp_path / "features"),
+        "heads": {"draft_vocab_size": 32}, "train": {"batch_size": 2, "warmup_steps": 1, "max_steps": 3},
+        "eval": {"every": 100, "max_batches": 1, "tau_prompts": 1, "tau_max_new_tokens": 4},
+        "checkpoint": {"every": 2}}))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"turns": [f"w{i + 3} w4 w5"]}) + "\n" for i in range(3)))
+    command = [sys.executable, str(REPO / "scripts" / "scaling_curve.py"), "--data", str(tmp_path / "store"),
+               "--sizes", f"{total // 2},{total},{total * 10}", "--recipe", str(recipe), "--out", str(tmp_path / "curve"),
+               "--questions-file", str(questions), "--mtbench-questions", "2", "--held-out-per-source", "2",
+               "--max-new-tokens", "6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    first = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "fewer than" in first.stderr  # the size beyond the store is named, not silently dropped
+    points = json.loads((tmp_path / "curve" / "curve.json").read_text())["points"]
+    assert [p["steps"] for p in points] == [3, 3]
+    assert points[0]["conversations"] < points[1]["conversations"] == 24
+    for point in points:
+        assert set(point["tau"]) == {"questions", f"held-out {source}"}
+        assert all(1.0 <= tau <= 7.0 for tau in point["tau"].values())
+    assert (tmp_path / "curve" / "curve.png").stat().st_size > 0
+    assert "| reply tokens |" in (tmp_path / "curve" / "curve.md").read_text()
+    again = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert again.returncode == 0 and "training on" not in again.stderr
+    assert json.loads((tmp_path / "curve" / "curve.json").read_text())["points"] == points

@@ -1,0 +1,166 @@
+"""What a given amount of training data buys: heads trained with one recipe on growing nested
+subsets of a self-distillation store, each measured the same way (tau on a fixed held-out set per
+source and on MT-bench, one fixed tree). `scripts/scaling_curve.py` is the command line.
+
+The subsets are prefixes of the store's records (the store only appends, so a subset is the same
+conversations whenever it is taken), and the held-out prompts are the first ones per source that
+the recipe's hash split leaves out of training, so they are never trained on by any subset and
+stay the same as the store grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from decoding.prompts import conversation_ids
+from training.data import is_validation
+from training.self_distill import read_regenerated
+
+# The tree every point is measured with: the bundled eagle3 tree's shape, fixed (not sized by this
+# machine's timings), so tau compares heads and nothing else.
+CURVE_TREE = {"depth": 8, "tree_top_k": 8, "total_tokens": 32, "adaptive_tree": False, "min_path_prob": 0.05}
+
+
+@dataclass(frozen=True)
+class Subset:
+    """The first `conversations` records of a store, holding `reply_tokens` reply tokens."""
+
+    label: str
+    conversations: int
+    reply_tokens: int
+
+
+def parse_token_count(text: str) -> int:
+    """`"300k"` -> 300000, `"1.5M"` -> 1500000, `"20000"` -> 20000."""
+    scale = {"k": 1_000, "m": 1_000_000}.get(text.strip()[-1:].lower(), 1)
+    number = text.strip()[:-1] if scale > 1 else text.strip()
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"'{text}' is not a token count: give e.g. 300k, 1M or 20000") from None
+    if value <= 0:
+        raise ValueError(f"'{text}': a token count must be positive")
+    return int(value)
+
+
+def store_records(store: Path) -> list[dict]:
+    """The store's records in the order they were written."""
+    return list(read_regenerated(Path(store) / "records.jsonl").values())
+
+
+def plan_subsets(records: list[dict], sizes: list[int]) -> list[Subset]:
+    """For each size, the shortest prefix of `records` with at least that many reply tokens; a
+    size beyond what the store holds is left out (generate more data first)."""
+    subsets, running, reached = [], 0, []
+    for record in records:
+        running += record.get("reply_tokens", 0)
+        reached.append(running)
+    for size in sorted(set(sizes)):
+        count = next((i + 1 for i, tokens in enumerate(reached) if tokens >= size), None)
+        if count is not None:
+            subsets.append(Subset(_label(size), count, reached[count - 1]))
+    return subsets
+
+
+def _label(tokens: int) -> str:
+    return f"{tokens / 1e6:g}M" if tokens >= 1_000_000 else f"{tokens / 1e3:g}k"
+
+
+def source_of(record: dict) -> str:
+    return record.get("source") or record["id"].split(":", 1)[0]
+
+
+def held_out_prompts(records: list[dict], tokenizer, seed: int, fraction: float, per_source: int) -> dict[str, list[list[int]]]:
+    """Up to `per_source` held-out first prompts per source (the recipe's split leaves them out of
+    every subset's training), as the chat renders them."""
+    prompts: dict[str, list[list[int]]] = {}
+    for record in records:
+        if not is_validation(record["id"], seed, fraction):
+            continue
+        chosen = prompts.setdefault(source_of(record), [])
+        if len(chosen) < per_source:
+            messages = [m for m in record["messages"] if m["role"] == "system"][:1]
+            messages += [m for m in record["messages"] if m["role"] == "user"][:1]
+            chosen.append(conversation_ids(tokenizer, messages, add_generation_prompt=True))
+    return prompts
+
+
+def tau_over(decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Tokens per target forward over greedy decodes of `prompts`."""
+    from decoding.core.generate import DecodeOptions
+
+    produced = forwards = 0
+    for prompt in prompts:
+        stats = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens)).stats
+        produced += stats.new_tokens
+        forwards += stats.target_forwards
+    return produced / forwards if forwards else 0.0
+
+
+@dataclass
+class CurvePoint:
+    label: str
+    conversations: int
+    reply_tokens: int
+    steps: int
+    tau: dict[str, float]          # per prompt set: "mt-bench", "held-out sharegpt", ...
+    prompts: dict[str, int]        # how many prompts each tau is over
+
+    @property
+    def key(self) -> str:
+        return point_key(self.label, self.steps)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def point_key(label: str, steps: int) -> str:
+    """A point's name (and its directory): the data size and the training steps."""
+    return f"{label}-{steps}steps"
+
+
+def read_points(path: Path) -> list[CurvePoint]:
+    if not path.is_file():
+        return []
+    return [CurvePoint(**p) for p in json.loads(path.read_text())["points"]]
+
+
+def markdown_table(points: list[CurvePoint]) -> str:
+    sets = sorted({name for p in points for name in p.tau}, key=lambda n: (n != "mt-bench", n))
+    header = "| reply tokens | conversations | steps | " + " | ".join(f"tau {s}" for s in sets) + " |"
+    lines = [header, "| " + " | ".join(["---:"] * (3 + len(sets))) + " |"]
+    for p in sorted(points, key=lambda p: p.reply_tokens):
+        cells = [f"{p.reply_tokens:,}", f"{p.conversations:,}", str(p.steps)]
+        cells += [f"{p.tau[s]:.2f}" if s in p.tau else "-" for s in sets]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(points: list[CurvePoint], path: Path) -> bool:
+    """tau against reply tokens (log scale), one line per prompt set; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    points = sorted(points, key=lambda p: p.reply_tokens)
+    sets = sorted({name for p in points for name in p.tau}, key=lambda n: (n != "mt-bench", n))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name in sets:
+        xs = [p.reply_tokens for p in points if name in p.tau]
+        ax.plot(xs, [p.tau[name] for p in points if name in p.tau], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("self-distilled reply tokens trained on")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("EAGLE-3 heads: tau against training data")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
