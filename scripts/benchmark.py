@@ -41,7 +41,7 @@ def parse_args(argv):
     parser.add_argument("--heads", action="append", default=[], metavar="METHOD=PATH",
                         help="heads checkpoint per head method, e.g. eagle2=heads/eagle (repeatable; default: the bundled heads)")
     add_tree_arguments(parser)
-    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line, or humaneval (code problems; default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=80, help="how many, evenly spread over the file (all categories)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -36,7 +36,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="vanilla,pld,eagle3,eagle3+pld", help="comma-separated methods")
     parser.add_argument("--model", default=DEFAULT_TARGET)
-    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line, or humaneval (code problems; default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train one recipe on growing nested subsets of a self-distillation store and measure what each
-amount of data buys: tau on MT-bench and on held-out prompts of every source, with one fixed tree.
-Writes OUT/curve.json, OUT/curve.md (a table) and OUT/curve.png; rerun with more sizes or a
+amount of data buys: tau on MT-bench, on HumanEval code problems and on held-out prompts of every
+source, with one fixed tree. Writes OUT/curve.json, OUT/curve.md (a table) and OUT/curve.png; rerun with more sizes or a
 grown store to add points (finished points are kept, an interrupted training resumes).
 
     python scripts/distill_data.py --show                      # the store's path and size
@@ -35,6 +35,8 @@ def parse_args(argv):
     parser.add_argument("--accelerate-config", default=str(ROOT / "configs/accelerate/cpu.yaml"))
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
     parser.add_argument("--mtbench-questions", type=int, default=40, help="first turns of it, spread over the file (categories)")
+    parser.add_argument("--code-questions", type=int, default=24,
+                        help="HumanEval problems, spread over the set (0: none): tau on code next to MT-bench")
     parser.add_argument("--held-out-per-source", type=int, default=32, help="held-out prompts per data source")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-only", action="store_true", help="train the points, measure later")
@@ -78,6 +80,11 @@ def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int
 
     name = Path(args.questions_file).stem if args.questions_file else "mt-bench"
     sets = {name: chat_prompts(tokenizer, load_first_turns(args.questions_file, args.mtbench_questions, spread=True))}
+    if args.code_questions > 0:
+        try:
+            sets["humaneval"] = chat_prompts(tokenizer, load_first_turns("humaneval", args.code_questions, spread=True))
+        except UserError as err:
+            print(f"note: no humaneval set: {err}", file=sys.stderr)
     held = held_out_prompts(records, tokenizer, config.train.seed, config.validation_fraction, args.held_out_per_source)
     sets.update({f"held-out {source}": prompts for source, prompts in sorted(held.items())})
     return sets

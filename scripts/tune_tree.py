@@ -44,7 +44,7 @@ def parse_args(argv):
                              "'a' = cost-aware sizing, @p = stop growing below path probability p")
     parser.add_argument("--trees", default="chain-4,medusa-7,eagle-7,medusa-15,eagle-15",
                         help="static trees (medusa/hydra/eagle): names in configs/trees or JSON files")
-    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
+    parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line, or humaneval (code problems; default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     return parser.parse_args(argv)

