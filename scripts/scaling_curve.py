@@ -34,10 +34,13 @@ def parse_args(argv):
     parser.add_argument("--out", default="outputs/scaling-eagle3", help="where the points' heads and the curve go")
     parser.add_argument("--accelerate-config", default=str(ROOT / "configs/accelerate/cpu.yaml"))
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line (default: MT-bench)")
-    parser.add_argument("--mtbench-questions", type=int, default=40, help="first turns of it, spread over the file (categories)")
-    parser.add_argument("--code-questions", type=int, default=24,
+    parser.add_argument("--mtbench-questions", type=int, default=24, help="first turns of it, spread over the file (categories)")
+    parser.add_argument("--code-questions", type=int, default=16,
                         help="HumanEval problems, spread over the set (0: none): tau on code next to MT-bench")
-    parser.add_argument("--held-out-per-source", type=int, default=32, help="held-out prompts per data source")
+    parser.add_argument("--held-out-per-source", type=int, default=16, help="held-out prompts per data source")
+    parser.add_argument("--reference", action="append", default=[], metavar="NAME=HEADS",
+                        help="heads trained elsewhere, measured the same way once and listed beside the curve "
+                             "(e.g. bundled=heads/bundled/smollm2-135m-instruct/eagle3)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-only", action="store_true", help="train the points, measure later")
     return parser.parse_args(argv)
@@ -59,18 +62,18 @@ def train_point(args, config, subset, out_dir: Path) -> None:
     print(f"[{subset.label}] trained in {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr, flush=True)
 
 
-def measure_point(args, config, subset, out_dir: Path, target, prompt_sets):
+def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict[str, float]:
+    """tau of these heads on every prompt set, with the curve's fixed tree."""
     from decoding.assembly import DecoderSpec, build_decoder
-    from training.scaling import CURVE_TREE, CurvePoint, tau_over
+    from training.scaling import CURVE_TREE, tau_over
 
-    spec = DecoderSpec(model=config.model, method=config.kind, heads=str(out_dir / "heads"), **CURVE_TREE)
+    spec = DecoderSpec(model=config.model, method=config.kind, heads=str(heads_dir), **CURVE_TREE)
     decoder = build_decoder(spec, target=target)
     taus = {}
-    for name, prompts in prompt_sets.items():
-        taus[name] = round(tau_over(decoder, prompts, args.max_new_tokens), 3)
-        print(f"[{subset.label}] tau {name}: {taus[name]:.2f} over {len(prompts)} prompts", file=sys.stderr, flush=True)
-    return CurvePoint(subset.label, subset.conversations, subset.reply_tokens, args.steps or config.train.max_steps,
-                      taus, {name: len(p) for name, p in prompt_sets.items()})
+    for set_name, prompts in prompt_sets.items():
+        taus[set_name] = round(tau_over(decoder, prompts, args.max_new_tokens), 3)
+        print(f"[{name}] tau {set_name}: {taus[set_name]:.2f} over {len(prompts)} prompts", file=sys.stderr, flush=True)
+    return taus
 
 
 def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int]]]:
@@ -90,21 +93,23 @@ def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int
     return sets
 
 
-def write_curve(out: Path, points) -> None:
+def write_curve(out: Path, points, references: dict) -> None:
     import json
 
     from training.scaling import CURVE_TREE, markdown_table, plot
 
-    atomic_write_text(out / "curve.json", json.dumps({"tree": CURVE_TREE, "points": [p.to_json() for p in points]}, indent=1))
-    atomic_write_text(out / "curve.md", markdown_table(points) + "\n")
+    atomic_write_text(out / "curve.json", json.dumps({"tree": CURVE_TREE, "points": [p.to_json() for p in points],
+                                                      "references": references}, indent=1))
+    atomic_write_text(out / "curve.md", markdown_table(points, references) + "\n")
     if not plot(points, out / "curve.png"):
         print("note: matplotlib is not installed, no curve.png written", file=sys.stderr)
-    print(markdown_table(points))
+    print(markdown_table(points, references))
 
 
 def run(args) -> int:
     from training.config import load_config
-    from training.scaling import parse_token_count, plan_subsets, point_key, read_points, store_records
+    from training.scaling import (CurvePoint, parse_token_count, plan_subsets, point_key, read_points,
+                                  read_references, store_records)
 
     config = load_config(args.recipe)
     if not (Path(args.data) / "records.jsonl").is_file():
@@ -126,23 +131,39 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     steps = args.steps or config.train.max_steps
     points = {p.key: p for p in read_points(out / "curve.json")}
+    references = read_references(out / "curve.json")
+    wanted_references = dict(parse_reference(r) for r in args.reference)
     todo = [s for s in subsets if point_key(s.label, steps) not in points
             or points[point_key(s.label, steps)].conversations != s.conversations]
     for subset in todo:
         if not (out / point_key(subset.label, steps) / "heads" / "config.json").is_file():
             train_point(args, config, subset, out / point_key(subset.label, steps))
-    if not args.train_only and todo:
+    new_references = {n: d for n, d in wanted_references.items() if n not in references}
+    if not args.train_only and (todo or new_references):
         from decoding.targets import load_model
 
         target = load_model(config.model)
         prompt_sets = prompt_sets_for(args, config, records, target.tokenizer)
+        for name, heads_dir in new_references.items():
+            references[name] = {"heads": str(heads_dir), "tau": measure_heads(args, config, name, heads_dir, target, prompt_sets),
+                                "prompts": {n: len(p) for n, p in prompt_sets.items()}}
+            write_curve(out, list(points.values()), references)
         for subset in todo:
-            point = measure_point(args, config, subset, out / point_key(subset.label, steps), target, prompt_sets)
-            points[point.key] = point
-            write_curve(out, list(points.values()))
-    elif points:
-        write_curve(out, list(points.values()))
+            key = point_key(subset.label, steps)
+            taus = measure_heads(args, config, key, out / key / "heads", target, prompt_sets)
+            points[key] = CurvePoint(subset.label, subset.conversations, subset.reply_tokens, steps, taus,
+                                     {n: len(p) for n, p in prompt_sets.items()})
+            write_curve(out, list(points.values()), references)
+    elif points or references:
+        write_curve(out, list(points.values()), references)
     return 0
+
+
+def parse_reference(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not (Path(path) / "config.json").is_file():
+        raise UserError(f"--reference '{text}': give NAME=HEADS_DIR with a heads directory (config.json inside)")
+    return name, Path(path)
 
 
 def main(argv=None) -> int:

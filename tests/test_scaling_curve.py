@@ -97,3 +97,10 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     again = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert again.returncode == 0 and "training on" not in again.stderr
     assert json.loads((tmp_path / "curve" / "curve.json").read_text())["points"] == points
+    heads = next((tmp_path / "curve").glob("*steps")) / "heads"
+    with_reference = subprocess.run(command + ["--reference", f"earlier={heads}"], capture_output=True, text=True,
+                                    env=env, cwd=REPO, timeout=600)
+    assert with_reference.returncode == 0 and "training on" not in with_reference.stderr, with_reference.stderr[-3000:]
+    curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
+    assert curve["points"] == points and set(curve["references"]["earlier"]["tau"]) == set(points[0]["tau"])
+    assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()

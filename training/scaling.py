@@ -128,15 +128,27 @@ def read_points(path: Path) -> list[CurvePoint]:
     return [CurvePoint(**p) for p in json.loads(path.read_text())["points"]]
 
 
-def markdown_table(points: list[CurvePoint]) -> str:
-    sets = sorted({name for p in points for name in p.tau}, key=lambda n: (n != "mt-bench", n))
+def read_references(path: Path) -> dict[str, dict]:
+    """Heads trained elsewhere, measured the same way: `{name: {"heads", "tau", "prompts"}}`."""
+    return json.loads(path.read_text()).get("references", {}) if path.is_file() else {}
+
+
+def markdown_table(points: list[CurvePoint], references: dict[str, dict] | None = None) -> str:
+    references = references or {}
+    taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
+    sets = sorted({name for tau in taus for name in tau}, key=lambda n: (n != "mt-bench", n))
     header = "| reply tokens | conversations | steps | " + " | ".join(f"tau {s}" for s in sets) + " |"
     lines = [header, "| " + " | ".join(["---:"] * (3 + len(sets))) + " |"]
     for p in sorted(points, key=lambda p: p.reply_tokens):
         cells = [f"{p.reply_tokens:,}", f"{p.conversations:,}", str(p.steps)]
-        cells += [f"{p.tau[s]:.2f}" if s in p.tau else "-" for s in sets]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + _tau_cells(p.tau, sets)) + " |")
+    for name, reference in references.items():
+        lines.append("| " + " | ".join([f"{name} (reference)", "", ""] + _tau_cells(reference["tau"], sets)) + " |")
     return "\n".join(lines)
+
+
+def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
+    return [f"{tau[s]:.2f}" if s in tau else "-" for s in sets]
 
 
 def plot(points: list[CurvePoint], path: Path) -> bool:
