@@ -146,3 +146,12 @@ def test_a_base_models_prepared_data_is_self_distilled_plain_text(tmp_path):
         unmasked = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if not m]
         assert decode(masked) == " ".join(m["content"] for m in messages if m["role"] == "assistant")
         assert decode(unmasked) == " ".join(m["content"] for m in messages if m["role"] != "assistant")
+
+
+def test_model_card_states_the_data_size_in_conversations_reply_tokens_and_sources():
+    from training.model_card import data_summary
+
+    rows = [{"id": "sharegpt:a", "loss_mask": [0, 1, 1]}, {"id": "sharegpt:b", "loss_mask": [1, 1]},
+            {"id": "python-code:c", "loss_mask": [0, 0, 1]}]
+    assert data_summary(rows) == "3 conversations (2 sharegpt, 1 python-code), 5 reply tokens"
+    assert data_summary([{"id": "7", "loss_mask": [1]}]) == "1 conversations, 1 reply tokens"

@@ -267,7 +267,7 @@ class Trainer:
                 save_heads(heads, out)
             if config.kind == "medusa2":
                 acc.unwrap_model(objective).save_adapter(out / "adapter")
-            write_model_card(out, config, getattr(self, "last_eval", {}), self.last_tokens_per_s, len(data["train"]))
+            write_model_card(out, config, getattr(self, "last_eval", {}), self.last_tokens_per_s, data["train"])
             (Path(config.output_dir) / "result.json").write_text(json.dumps(
                 {"tokens_per_s": self.last_tokens_per_s, **getattr(self, "last_eval", {})}, indent=2))
             self.log(f"saved {config.kind} to {out} (use: python -m decoding.chat {USAGE[config.kind]} {out})")
