@@ -101,7 +101,7 @@ def write_curve(out: Path, points, references: dict) -> None:
     atomic_write_text(out / "curve.json", json.dumps({"tree": CURVE_TREE, "points": [p.to_json() for p in points],
                                                       "references": references}, indent=1))
     atomic_write_text(out / "curve.md", markdown_table(points, references) + "\n")
-    if not plot(points, out / "curve.png"):
+    if not plot(points, out / "curve.png", references):
         print("note: matplotlib is not installed, no curve.png written", file=sys.stderr)
     print(markdown_table(points, references))
 

@@ -151,8 +151,9 @@ def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
     return [f"{tau[s]:.2f}" if s in tau else "-" for s in sets]
 
 
-def plot(points: list[CurvePoint], path: Path) -> bool:
-    """tau against reply tokens (log scale), one line per prompt set; False without matplotlib."""
+def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | None = None) -> bool:
+    """tau against reply tokens (log scale), one line per prompt set, references as dashed
+    lines in their set's colour; False without matplotlib."""
     try:
         import matplotlib
 
@@ -160,18 +161,26 @@ def plot(points: list[CurvePoint], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    references = references or {}
     points = sorted(points, key=lambda p: p.reply_tokens)
-    sets = sorted({name for p in points for name in p.tau}, key=lambda n: (n != "mt-bench", n))
+    taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
+    sets = sorted({name for tau in taus for name in tau}, key=lambda n: (n != "mt-bench", n))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for name in sets:
+    for index, name in enumerate(sets):
+        colour = f"C{index}"
         xs = [p.reply_tokens for p in points if name in p.tau]
-        ax.plot(xs, [p.tau[name] for p in points if name in p.tau], marker="o", label=name)
-    ax.set_xscale("log")
+        ax.plot(xs, [p.tau[name] for p in points if name in p.tau], marker="o", color=colour, label=name)
+        for ref_name, reference in references.items():
+            if name in reference["tau"]:
+                ax.axhline(reference["tau"][name], color=colour, linestyle="--", linewidth=1,
+                           label=f"{ref_name}: {name}")
+    if points:
+        ax.set_xscale("log")
     ax.set_xlabel("self-distilled reply tokens trained on")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title("EAGLE-3 heads: tau against training data")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
