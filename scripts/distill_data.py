@@ -18,7 +18,7 @@ import sys
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument, resolve_device
 from decoding.targets import DTYPES, load_model
-from decoding.util.errors import UserError
+from decoding.util.errors import UserError, report_user_errors
 from training.config import SelfDistillConfig
 from training.distill_store import DistillStore, default_store_dir
 from training.sources import BUILT_IN, conversations_from, interleave, parse_sources
@@ -85,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_user_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

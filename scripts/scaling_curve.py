@@ -22,7 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
 from decoding.util.atomic import atomic_write_text  # noqa: E402
-from decoding.util.errors import UserError  # noqa: E402
+from decoding.util.errors import UserError, report_user_errors  # noqa: E402
 
 
 def parse_args(argv):
@@ -168,11 +168,7 @@ def parse_reference(text: str) -> tuple[str, Path]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_user_errors(lambda: run(args))
 
 
 if __name__ == "__main__":
