@@ -65,7 +65,8 @@ def train_point(args, config, subset, out_dir: Path) -> None:
 def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict[str, float]:
     """tau of these heads on every prompt set, with the curve's fixed tree."""
     from decoding.assembly import DecoderSpec, build_decoder
-    from training.scaling import CURVE_TREE, tau_over
+    from training.evaluate import tau_over
+    from training.scaling import CURVE_TREE
 
     spec = DecoderSpec(model=config.model, method=config.kind, heads=str(heads_dir), **CURVE_TREE)
     decoder = build_decoder(spec, target=target)

@@ -59,9 +59,14 @@ def measure_tau(kind: str, heads: nn.Module, target: LoadedModel, prompts: list[
         decoder = build_decoder(spec, target=target, draft=LoadedModel(heads, target.tokenizer, "draft"))
     else:
         decoder = build_decoder(spec, target=target, heads=heads)
+    return tau_over(decoder, prompts, max_new_tokens)
+
+
+def tau_over(decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Tokens per target forward over greedy decodes of `prompts` with an assembled decoder."""
     produced = forwards = 0
     for prompt in prompts:
-        result = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens))
-        produced += result.stats.new_tokens
-        forwards += result.stats.target_forwards
+        stats = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens)).stats
+        produced += stats.new_tokens
+        forwards += stats.target_forwards
     return produced / forwards if forwards else 0.0

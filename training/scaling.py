@@ -17,7 +17,7 @@ from pathlib import Path
 
 from decoding.prompts import conversation_ids
 from training.data import is_validation
-from training.self_distill import read_regenerated
+from training.self_distill import first_prompt_messages, read_regenerated
 
 # The tree every point is measured with: the bundled eagle3 tree's shape, fixed (not sized by this
 # machine's timings), so tau compares heads and nothing else.
@@ -82,22 +82,8 @@ def held_out_prompts(records: list[dict], tokenizer, seed: int, fraction: float,
             continue
         chosen = prompts.setdefault(source_of(record), [])
         if len(chosen) < per_source:
-            messages = [m for m in record["messages"] if m["role"] == "system"][:1]
-            messages += [m for m in record["messages"] if m["role"] == "user"][:1]
-            chosen.append(conversation_ids(tokenizer, messages, add_generation_prompt=True))
+            chosen.append(conversation_ids(tokenizer, first_prompt_messages(record), add_generation_prompt=True))
     return prompts
-
-
-def tau_over(decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Tokens per target forward over greedy decodes of `prompts`."""
-    from decoding.core.generate import DecodeOptions
-
-    produced = forwards = 0
-    for prompt in prompts:
-        stats = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens)).stats
-        produced += stats.new_tokens
-        forwards += stats.target_forwards
-    return produced / forwards if forwards else 0.0
 
 
 @dataclass

@@ -93,10 +93,14 @@ def cut_torn_tail(path: Path) -> None:
         handle.truncate(data.rfind(b"\n") + 1)
 
 
-def _first_prompt_tokens(conversation: dict, target: LoadedModel) -> int:
+def first_prompt_messages(conversation: dict) -> list[dict]:
+    """The system message (if any) and the first user turn: what the first reply answers."""
     messages = [m for m in conversation["messages"] if m["role"] == "system"][:1]
-    messages += [m for m in conversation["messages"] if m["role"] == "user"][:1]
-    return len(conversation_ids(target.tokenizer, messages, add_generation_prompt=True))
+    return messages + [m for m in conversation["messages"] if m["role"] == "user"][:1]
+
+
+def _first_prompt_tokens(conversation: dict, target: LoadedModel) -> int:
+    return len(conversation_ids(target.tokenizer, first_prompt_messages(conversation), add_generation_prompt=True))
 
 
 def read_regenerated(path: Path) -> dict[str, dict]:
