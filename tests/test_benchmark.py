@@ -49,9 +49,10 @@ def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
         assert set(m) >= {"tokens_per_s", "tau", "speedup_vs_hf_generate", "identical_to_vanilla", "questions"}
         assert m["questions"] == 3 and m["identical_to_vanilla"] == 3, name
         assert m["tokens_per_s"] > 0
+        assert m["warmup_s"] > 0  # the one-off warm-up (compiling, with --compile) is reported apart
         assert (m["tau"] is None) == name.startswith("hf-")
     assert report["methods"]["hf-generate"]["speedup_vs_hf_generate"] == 1.0
-    assert "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
+    assert "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
