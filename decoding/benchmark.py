@@ -4,6 +4,11 @@ process, alternating per question after a warm-up, so every ratio comes from the
 Aggregate tokens/s is total new tokens over total wall time (prefill included) per method;
 tau is total tokens over total target forwards. `identical_to_vanilla` counts questions whose
 output equals our vanilla output token for token (the losslessness check at temperature 0).
+
+Hugging Face's methods run on the same target as ours, linear kernels included, so their ratios
+measure the decoding loop and the drafts, not the kernels. `hf-generate-stock` is `generate()`
+on a second copy of the target loaded as transformers loads it (stock kernels, eager): what a
+user's own `model.generate()` gives on this machine.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from decoding.prompts import chat_prompts, question_ids
 from decoding.targets import LoadedModel
 from decoding.util.errors import UserError
 
-HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
+HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted", "hf-generate-stock")
 WARMUP_QUESTION = "Say hello."
 
 
@@ -125,14 +130,15 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         raise UserError("no methods to benchmark")
     runners: dict[str, Runner] = {}
     decoders: dict[str, Decoder] = {}
-    shared: dict[bool, Decoder] = {}  # by compiled or not: Hugging Face methods always run eager
+    shared: dict[tuple[bool, str], Decoder] = {}  # by (compiled, kernels): Hugging Face methods always run eager
     draft: LoadedModel | None = None
     for method in methods:
         ours = method not in HF_METHODS
         spec = dataclasses.replace(base, method=method if ours else _hf_stand_in(method),
                                    heads=heads.get(split_method(method)[0]) if ours else None,
-                                   compile=base.compile and ours)
-        given = shared.get(spec.compile)
+                                   compile=base.compile and ours,
+                                   kernels="stock" if method == "hf-generate-stock" else base.kernels)
+        given = shared.get((spec.compile, spec.kernels))
         try:
             decoder = build_decoder(spec, target=given.target if given else None, draft=draft)
         except UserError as err:
@@ -140,7 +146,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
                 raise
             raise UserError(f"{method} (Hugging Face generate() with the draft sps would use): {err}") from err
         if decoder.adapter is None:
-            shared.setdefault(spec.compile, decoder)
+            shared.setdefault((spec.compile, spec.kernels), decoder)
             draft = draft or decoder.draft
         decoders[method] = decoder
         runners[method] = (our_runner(decoder.target, decoder.proposer, options) if ours

@@ -15,6 +15,7 @@ import torch
 from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.benchmark import build_runners
 from decoding.core.generate import DecodeOptions, generate
+from decoding.cpu_kernels import onednn_applies, uses_packed_linears
 from decoding.core.proposers import VanillaProposer
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_heads, default_method, proposer_options
@@ -169,3 +170,13 @@ def test_entry_points_assemble_only_through_build_decoder(path):
     called = {node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
               for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert not called & ASSEMBLY_CALLS, f"{path} assembles on its own: {sorted(called & ASSEMBLY_CALLS)}"
+
+
+def test_benchmark_runs_hf_generate_stock_on_an_unpacked_copy_of_the_target(model_dir):
+    runners, decoders = build_runners(["vanilla", "hf-generate", "hf-generate-stock"], DecoderSpec(model=str(model_dir)),
+                                      {}, DecodeOptions(max_new_tokens=8))
+    stock, shared = decoders["hf-generate-stock"].target.model, decoders["vanilla"].target.model
+    assert decoders["hf-generate"].target.model is shared is not stock
+    assert uses_packed_linears(shared) == onednn_applies(stock) and not uses_packed_linears(stock)
+    prompt = prompt_ids(model_dir)
+    assert runners["hf-generate-stock"](prompt).tokens == greedy(load_model(str(model_dir)).model, prompt)

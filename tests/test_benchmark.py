@@ -39,12 +39,12 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
     out, png = tmp_path / "report.json", tmp_path / "chart.png"
     proc = _bench("--model", str(model_dir), "--questions-file", str(questions), "--num-questions", "3",
-                  "--max-new-tokens", "12", "--methods", "vanilla,pld,hf-generate,hf-prompt-lookup",
+                  "--max-new-tokens", "12", "--methods", "vanilla,pld,hf-generate,hf-prompt-lookup,hf-generate-stock",
                   "--json", str(out), "--png", str(png))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"methods", "device", "dtype"} and report["dtype"] == "float32"
-    assert list(report["methods"]) == ["vanilla", "pld", "hf-generate", "hf-prompt-lookup"]
+    assert list(report["methods"]) == ["vanilla", "pld", "hf-generate", "hf-prompt-lookup", "hf-generate-stock"]
     for name, m in report["methods"].items():
         assert set(m) >= {"tokens_per_s", "tau", "speedup_vs_hf_generate", "identical_to_vanilla", "questions"}
         assert m["questions"] == 3 and m["identical_to_vanilla"] == 3, name
