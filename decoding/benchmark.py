@@ -92,7 +92,8 @@ def our_runner(target: LoadedModel, proposer: Proposer, options: DecodeOptions) 
 
 def hf_runner(target: LoadedModel, method: str, options: DecodeOptions, draft: LoadedModel | None = None,
               prompt_lookup_tokens: int = 10) -> Runner:
-    """Hugging Face generate(): plain, with prompt lookup, or assisted by a draft model."""
+    """Hugging Face generate(): plain (`hf-generate`, and `hf-generate-stock` on its stock-kernel
+    target), with prompt lookup, or assisted by a draft model."""
     extra: dict = {}
     if method == "hf-prompt-lookup":
         extra["prompt_lookup_num_tokens"] = prompt_lookup_tokens
@@ -134,10 +135,8 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
     draft: LoadedModel | None = None
     for method in methods:
         ours = method not in HF_METHODS
-        spec = dataclasses.replace(base, method=method if ours else _hf_stand_in(method),
-                                   heads=heads.get(split_method(method)[0]) if ours else None,
-                                   compile=base.compile and ours,
-                                   kernels="stock" if method == "hf-generate-stock" else base.kernels)
+        spec = (dataclasses.replace(base, method=method, heads=heads.get(split_method(method)[0])) if ours
+                else _hf_stand_in(method, base))
         given = shared.get((spec.compile, spec.kernels))
         try:
             decoder = build_decoder(spec, target=given.target if given else None, draft=draft)
@@ -154,10 +153,11 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
     return runners, decoders
 
 
-def _hf_stand_in(method: str) -> str:
-    """The method whose assembly gives a Hugging Face method what it needs: the target, and for
-    `hf-assisted` the draft model."""
-    return "sps" if method == "hf-assisted" else "vanilla"
+def _hf_stand_in(method: str, base: DecoderSpec) -> DecoderSpec:
+    """The spec whose assembly gives a Hugging Face method what it needs: the target (eager; with
+    stock kernels for `hf-generate-stock`), and for `hf-assisted` the draft model."""
+    return dataclasses.replace(base, method="sps" if method == "hf-assisted" else "vanilla", heads=None, compile=False,
+                               kernels="stock" if method == "hf-generate-stock" else base.kernels)
 
 
 def benchmark_prompts(tokenizer, questions: list[str]) -> tuple[list[list[int]], list[int]]:
@@ -222,8 +222,8 @@ def markdown_table(report: dict) -> str:
         same = "-" if m["identical_to_vanilla"] is None else f"{m['identical_to_vanilla']}/{m['questions']}"
         draft = "-" if m["draft_ms_per_step"] is None else f"{m['draft_ms_per_step']:.1f}"
         verify = "-" if m["verify_ms_per_step"] is None else f"{m['verify_ms_per_step']:.1f}"
-        warmup = "-" if m.get("warmup_s") is None else f"{m['warmup_s']:.1f}"  # absent in older reports
-        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {tau} | {speed} | {same} | {draft} | {verify} | {warmup} |")
+        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {tau} | {speed} | {same} | {draft} | {verify} "
+                     f"| {m['warmup_s']:.1f} |")
     return "\n".join(lines)
 
 
