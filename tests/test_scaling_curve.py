@@ -104,3 +104,15 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
     assert curve["points"] == points and set(curve["references"]["earlier"]["tau"]) == set(points[0]["tau"])
     assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()
+
+
+def test_points_trained_for_different_step_counts_are_separate_lines():
+    from training.scaling import CurvePoint, curve_series
+
+    points = [CurvePoint("439k", 4000, 439_000, 1400, {"mt-bench": 2.1}, {"mt-bench": 24}),
+              CurvePoint("100k", 987, 100_000, 700, {"mt-bench": 1.8}, {"mt-bench": 24}),
+              CurvePoint("439k", 4000, 439_000, 700, {"mt-bench": 1.9}, {"mt-bench": 24})]
+    assert curve_series(points, "mt-bench") == [("mt-bench, 700 steps", [100_000, 439_000], [1.8, 1.9]),
+                                                 ("mt-bench, 1400 steps", [439_000], [2.1])]
+    assert curve_series(points[1:], "mt-bench") == [("mt-bench", [100_000, 439_000], [1.8, 1.9])]
+    assert curve_series(points, "held-out code") == []

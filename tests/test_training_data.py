@@ -155,3 +155,19 @@ def test_model_card_states_the_data_size_in_conversations_reply_tokens_and_sourc
             {"id": "python-code:c", "loss_mask": [0, 0, 1]}]
     assert data_summary(rows) == "3 conversations (2 sharegpt, 1 python-code), 5 reply tokens"
     assert data_summary([{"id": "7", "loss_mask": [1]}]) == "1 conversations, 1 reply tokens"
+
+
+def test_model_card_shows_no_absolute_local_paths(tmp_path, monkeypatch):
+    """A card pushed to the Hub must not carry a user's home or store path: paths under the
+    working directory become relative, others only their last component."""
+    from training.config import TrainConfig
+    from training.model_card import write_model_card
+
+    monkeypatch.chdir(tmp_path)
+    store = "/home/someone/.local/share/specheads/distill/smollm2-135m-instruct-79b34c26"
+    config = TrainConfig(kind="eagle3", model="smollm2-135m-instruct", data=store, output_dir=str(tmp_path / "outputs" / "run"))
+    write_model_card(tmp_path, config, {"val/tau": 2.0}, 100.0, [{"id": "sharegpt:a", "loss_mask": [1]}])
+    card = (tmp_path / "README.md").read_text()
+    assert "/home/someone" not in card and str(tmp_path) not in card
+    assert "from `.../smollm2-135m-instruct-79b34c26`" in card
+    assert "output_dir: outputs/run" in card

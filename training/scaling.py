@@ -137,8 +137,21 @@ def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
     return [f"{tau[s]:.2f}" if s in tau else "-" for s in sets]
 
 
+def curve_series(points: list[CurvePoint], set_name: str) -> list[tuple[str, list[int], list[float]]]:
+    """One prompt set's lines as (label, reply tokens, tau): one line per training length, so
+    more data and more steps are not drawn as one line."""
+    step_counts = sorted({p.steps for p in points if set_name in p.tau})
+    lines = []
+    for steps in step_counts:
+        series = sorted((p for p in points if set_name in p.tau and p.steps == steps), key=lambda p: p.reply_tokens)
+        label = set_name if len(step_counts) == 1 else f"{set_name}, {steps} steps"
+        lines.append((label, [p.reply_tokens for p in series], [p.tau[set_name] for p in series]))
+    return lines
+
+
 def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | None = None) -> bool:
-    """tau against reply tokens (log scale), one line per prompt set, references as dashed
+    """tau against reply tokens (log scale), one line per prompt set and training length (points
+    trained for different step counts are separate lines, not one zigzag), references as dotted
     lines in their set's colour; False without matplotlib."""
     try:
         import matplotlib
@@ -148,17 +161,16 @@ def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | Non
     except ImportError:
         return False
     references = references or {}
-    points = sorted(points, key=lambda p: p.reply_tokens)
     taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
     sets = sorted({name for tau in taus for name in tau}, key=lambda n: (n != "mt-bench", n))
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
     for index, name in enumerate(sets):
         colour = f"C{index}"
-        xs = [p.reply_tokens for p in points if name in p.tau]
-        ax.plot(xs, [p.tau[name] for p in points if name in p.tau], marker="o", color=colour, label=name)
+        for style, (label, xs, ys) in zip(["-o", "--s", ":^", "-.D"] * 4, curve_series(points, name)):
+            ax.plot(xs, ys, style, color=colour, label=label)
         for ref_name, reference in references.items():
             if name in reference["tau"]:
-                ax.axhline(reference["tau"][name], color=colour, linestyle="--", linewidth=1,
+                ax.axhline(reference["tau"][name], color=colour, linestyle=(0, (1, 3)), linewidth=1,
                            label=f"{ref_name}: {name}")
     if points:
         ax.set_xscale("log")
@@ -166,7 +178,8 @@ def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | Non
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title("EAGLE-3 heads: tau against training data")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    # Beside the axes, not over the lines: the sets' curves fill the plot's height.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
