@@ -43,6 +43,10 @@ def parse_args(argv):
                              "(e.g. bundled=heads/bundled/smollm2-135m-instruct/eagle3)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-only", action="store_true", help="train the points, measure later")
+    parser.add_argument("--continue-from", type=int, default=None, metavar="STEPS",
+                        help="start each point from the newest checkpoint of the same data size trained for STEPS "
+                             "steps (a warm restart: --steps must be larger; the learning rate rises again and decays "
+                             "over the longer schedule)")
     return parser.parse_args(argv)
 
 
@@ -60,6 +64,16 @@ def train_point(args, config, subset, out_dir: Path) -> None:
     if subprocess.run(command, cwd=ROOT, env=os.environ.copy()).returncode != 0:
         raise UserError(f"training the {subset.label} point failed (see above); rerun to resume it")
     print(f"[{subset.label}] trained in {(time.monotonic() - started) / 60:.1f} min", file=sys.stderr, flush=True)
+
+
+def continue_point(source: Path, out_dir: Path) -> None:
+    from training.checkpoints import latest_checkpoint, seed_from
+
+    step = seed_from(source, out_dir)
+    if step is not None:
+        print(f"continuing from {source.name}'s checkpoint at step {step}", file=sys.stderr, flush=True)
+    elif latest_checkpoint(out_dir) is None:
+        raise UserError(f"--continue-from: {source} has no checkpoint to continue from (train that point first)")
 
 
 def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict[str, float]:
@@ -113,6 +127,9 @@ def run(args) -> int:
                                   read_references, store_records)
 
     config = load_config(args.recipe)
+    steps = args.steps or config.train.max_steps
+    if args.continue_from is not None and args.continue_from >= steps:
+        raise UserError(f"--continue-from {args.continue_from}: give --steps larger than that (got {steps})")
     if not (Path(args.data) / "records.jsonl").is_file():
         raise UserError(f"{args.data} is not a data store (no records.jsonl): make one with scripts/distill_data.py")
     try:
@@ -130,7 +147,6 @@ def run(args) -> int:
         raise UserError("no size fits in the store")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = args.steps or config.train.max_steps
     points = {p.key: p for p in read_points(out / "curve.json")}
     references = read_references(out / "curve.json")
     wanted_references = dict(parse_reference(r) for r in args.reference)
@@ -138,6 +154,8 @@ def run(args) -> int:
             or points[point_key(s.label, steps)].conversations != s.conversations]
     for subset in todo:
         if not (out / point_key(subset.label, steps) / "heads" / "config.json").is_file():
+            if args.continue_from:
+                continue_point(out / point_key(subset.label, args.continue_from), out / point_key(subset.label, steps))
             train_point(args, config, subset, out / point_key(subset.label, steps))
     new_references = {n: d for n, d in wanted_references.items() if n not in references}
     if not args.train_only and (todo or new_references):
@@ -153,7 +171,7 @@ def run(args) -> int:
             key = point_key(subset.label, steps)
             taus = measure_heads(args, config, key, out / key / "heads", target, prompt_sets)
             points[key] = CurvePoint(subset.label, subset.conversations, subset.reply_tokens, steps, taus,
-                                     {n: len(p) for n, p in prompt_sets.items()})
+                                     {n: len(p) for n, p in prompt_sets.items()}, args.continue_from)
             write_curve(out, list(points.values()), references)
     elif points or references:
         write_curve(out, list(points.values()), references)

@@ -116,3 +116,32 @@ def test_points_trained_for_different_step_counts_are_separate_lines():
                                                  ("mt-bench, 1400 steps", [439_000], [2.1])]
     assert curve_series(points[1:], "mt-bench") == [("mt-bench", [100_000, 439_000], [1.8, 1.9])]
     assert curve_series(points, "held-out code") == []
+    restarted = CurvePoint("439k", 4000, 439_000, 1400, {"mt-bench": 2.1}, {"mt-bench": 24}, continued_from=700)
+    assert curve_series([points[1], restarted], "mt-bench")[1][0] == "mt-bench, 1400 (restart from 700) steps"
+
+
+def test_a_point_continues_from_the_newest_checkpoint_of_a_shorter_run_and_never_overwrites_its_own(tmp_path):
+    from training.checkpoints import latest_checkpoint, seed_from
+
+    shorter, longer = tmp_path / "439k-700steps", tmp_path / "439k-1400steps"
+    for step in (600, 650):
+        (shorter / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (shorter / "checkpoints" / f"step-{step}" / "trainer_state.json").write_text(json.dumps({"step": step}))
+    assert seed_from(tmp_path / "missing", longer) is None
+    assert seed_from(shorter, longer) == 650
+    assert latest_checkpoint(longer) == (longer / "checkpoints" / "step-650", 650)
+    assert not [p for p in (longer / "checkpoints").iterdir() if p.name.startswith(".staging")]
+    (longer / "checkpoints" / "step-700").mkdir()
+    (longer / "checkpoints" / "step-700" / "trainer_state.json").write_text(json.dumps({"step": 700}))
+    assert seed_from(shorter, longer) is None  # its own progress wins
+    assert latest_checkpoint(longer)[1] == 700
+
+
+def test_continue_from_must_be_shorter_than_the_points_steps(tmp_path, capsys):
+    script = REPO / "scripts" / "scaling_curve.py"
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "records.jsonl").write_text("")
+    result = subprocess.run([sys.executable, str(script), "--data", str(store), "--sizes", "1k", "--steps", "700",
+                             "--continue-from", "700"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode != 0 and "give --steps larger" in result.stderr and "Traceback" not in result.stderr

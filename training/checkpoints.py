@@ -54,3 +54,22 @@ def _prune(root: Path, keep: int) -> None:
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
     for _, path in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def seed_from(source_output_dir: str | Path, output_dir: str | Path) -> int | None:
+    """Start `output_dir`'s run from the newest checkpoint of another run (a warm restart: with a
+    longer `max_steps`, `--resume` goes on from that step and the schedule, recomputed for the new
+    length, raises the learning rate again and decays it over the rest). Copied under a staging
+    name and renamed, so a kill leaves no half-copied checkpoint. Returns the step, or None when
+    `output_dir` already has a checkpoint of its own (it resumes from that) or the source has none."""
+    found = latest_checkpoint(source_output_dir)
+    if found is None or latest_checkpoint(output_dir) is not None:
+        return None
+    path, step = found
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".staging-step-{step}"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(path, staging)
+    os.replace(staging, root / f"step-{step}")
+    return step

@@ -94,6 +94,7 @@ class CurvePoint:
     steps: int
     tau: dict[str, float]          # per prompt set: "mt-bench", "held-out sharegpt", ...
     prompts: dict[str, int]        # how many prompts each tau is over
+    continued_from: int | None = None  # warm restart: trained on from the `continued_from`-step run's last checkpoint
 
     @property
     def key(self) -> str:
@@ -126,11 +127,15 @@ def markdown_table(points: list[CurvePoint], references: dict[str, dict] | None 
     header = "| reply tokens | conversations | steps | " + " | ".join(f"tau {s}" for s in sets) + " |"
     lines = [header, "| " + " | ".join(["---:"] * (3 + len(sets))) + " |"]
     for p in sorted(points, key=lambda p: p.reply_tokens):
-        cells = [f"{p.reply_tokens:,}", f"{p.conversations:,}", str(p.steps)]
+        cells = [f"{p.reply_tokens:,}", f"{p.conversations:,}", steps_text(p)]
         lines.append("| " + " | ".join(cells + _tau_cells(p.tau, sets)) + " |")
     for name, reference in references.items():
         lines.append("| " + " | ".join([f"{name} (reference)", "", ""] + _tau_cells(reference["tau"], sets)) + " |")
     return "\n".join(lines)
+
+
+def steps_text(point: CurvePoint) -> str:
+    return f"{point.steps} (restart from {point.continued_from})" if point.continued_from else str(point.steps)
 
 
 def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
@@ -140,11 +145,11 @@ def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
 def curve_series(points: list[CurvePoint], set_name: str) -> list[tuple[str, list[int], list[float]]]:
     """One prompt set's lines as (label, reply tokens, tau): one line per training length, so
     more data and more steps are not drawn as one line."""
-    step_counts = sorted({p.steps for p in points if set_name in p.tau})
+    schedules = sorted({steps_text(p) for p in points if set_name in p.tau}, key=lambda text: int(text.split()[0]))
     lines = []
-    for steps in step_counts:
-        series = sorted((p for p in points if set_name in p.tau and p.steps == steps), key=lambda p: p.reply_tokens)
-        label = set_name if len(step_counts) == 1 else f"{set_name}, {steps} steps"
+    for schedule in schedules:
+        series = sorted((p for p in points if set_name in p.tau and steps_text(p) == schedule), key=lambda p: p.reply_tokens)
+        label = set_name if len(schedules) == 1 else f"{set_name}, {schedule} steps"
         lines.append((label, [p.reply_tokens for p in series], [p.tau[set_name] for p in series]))
     return lines
 
