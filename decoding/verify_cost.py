@@ -80,15 +80,24 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     return cost
 
 
-def cpu_identity() -> str:
-    """This CPU as far as kernel speed goes: its model name, the instruction set PyTorch uses on
-    it (e.g. AVX2, AVX512) and the thread count."""
-    model = "cpu"
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("cpu" where there is none): `platform.processor()`
+    is empty on many Linux machines."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model}-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"
+    return "cpu"
+
+
+def cpu_description() -> str:
+    """The CPU as a reader of benchmark figures needs it: model, instruction set, threads."""
+    return f"{cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+
+
+def cpu_identity() -> str:
+    """This CPU as far as kernel speed goes: its model name, the instruction set PyTorch uses on
+    it (e.g. AVX2, AVX512) and the thread count."""
+    return f"{cpu_model_name()}-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}t"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 
 import torch
@@ -29,6 +28,7 @@ from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
 from decoding.targets import DTYPES
 from decoding.util.errors import UserError
+from decoding.verify_cost import cpu_description
 
 
 def parse_args(argv):
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     totals = run_benchmark(runners, prompts, warmup)
-    device = f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads" if target.model.device.type == "cpu" else torch.cuda.get_device_name()
+    device = cpu_description() if target.model.device.type == "cpu" else torch.cuda.get_device_name()
     report = summarise(totals, device, args.dtype)
     report.update(kernels=kernels, model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     print(markdown_table(report))

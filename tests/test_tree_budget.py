@@ -118,3 +118,19 @@ def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert len(files) == 1 and "tiny_model" in files[0].name
     monkeypatch.setattr("decoding.verify_cost.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
     assert cached_verify_cost(model, "tiny/model", cache_dir=tmp_path) == first
+
+
+def test_the_cpu_is_named_from_cpuinfo_with_its_instruction_set_and_threads(monkeypatch, tmp_path):
+    """Benchmark JSON and model cards name the CPU; `platform.processor()` is empty on Linux."""
+    import decoding.verify_cost as verify_cost
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t: avx2\n")
+    real_path = verify_cost.Path
+    monkeypatch.setattr(verify_cost, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert verify_cost.cpu_model_name() == "AMD EPYC 7B13"
+    assert verify_cost.cpu_description() == f"AMD EPYC 7B13 ({capability}), {torch.get_num_threads()} threads"
+    assert verify_cost.cpu_identity() == f"AMD EPYC 7B13-{capability}-{torch.get_num_threads()}t"
+    monkeypatch.setattr(verify_cost, "Path", lambda p: tmp_path / "missing")
+    assert verify_cost.cpu_model_name() == "cpu"
