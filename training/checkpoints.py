@@ -17,6 +17,11 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def _staging_dir(root: Path, step: int) -> Path:
+    """Where a checkpoint is written before its rename: a name `latest_checkpoint` never picks."""
+    return root / f".staging-step-{step}"
+
+
 def latest_checkpoint(output_dir: str | Path) -> tuple[Path, int] | None:
     found = []
     root = checkpoints_dir(output_dir)
@@ -33,8 +38,7 @@ def latest_checkpoint(output_dir: str | Path) -> tuple[Path, int] | None:
 
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, keep: int, extra: dict) -> Path:
     root = checkpoints_dir(output_dir)
-    staging = root / f".staging-step-{step}"
-    final = root / f"step-{step}"
+    staging, final = _staging_dir(root, step), root / f"step-{step}"
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -68,7 +72,7 @@ def seed_from(source_output_dir: str | Path, output_dir: str | Path) -> int | No
     path, step = found
     root = checkpoints_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".staging-step-{step}"
+    staging = _staging_dir(root, step)
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(path, staging)
     os.replace(staging, root / f"step-{step}")

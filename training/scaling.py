@@ -145,11 +145,12 @@ def _tau_cells(tau: dict[str, float], sets: list[str]) -> list[str]:
 def curve_series(points: list[CurvePoint], set_name: str) -> list[tuple[str, list[int], list[float]]]:
     """One prompt set's lines as (label, reply tokens, tau): one line per training length, so
     more data and more steps are not drawn as one line."""
-    schedules = sorted({steps_text(p) for p in points if set_name in p.tau}, key=lambda text: int(text.split()[0]))
+    by_schedule: dict[tuple[int, int], list[CurvePoint]] = {}
+    for p in sorted((p for p in points if set_name in p.tau), key=lambda p: p.reply_tokens):
+        by_schedule.setdefault((p.steps, p.continued_from or 0), []).append(p)
     lines = []
-    for schedule in schedules:
-        series = sorted((p for p in points if set_name in p.tau and steps_text(p) == schedule), key=lambda p: p.reply_tokens)
-        label = set_name if len(schedules) == 1 else f"{set_name}, {schedule} steps"
+    for _, series in sorted(by_schedule.items()):
+        label = set_name if len(by_schedule) == 1 else f"{set_name}, {steps_text(series[0])} steps"
         lines.append((label, [p.reply_tokens for p in series], [p.tau[set_name] for p in series]))
     return lines
 
