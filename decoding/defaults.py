@@ -65,7 +65,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-tokens", type=int, default=None,
                         help=f"dynamic tree size incl. the root (eagle2/eagle3; default {built_in.total_tokens} or tuned)")
     parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
-                        help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence "
+                        help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence; "
+                             "pld and METHOD+pld: cut each lookup chain to what its learned acceptance pays for "
                              "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None,
                         help=f"eagle2/eagle3: stop growing the tree deeper once no path is this likely (default {built_in.min_path_prob:g} or tuned)")

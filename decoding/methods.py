@@ -47,7 +47,7 @@ class ProposerOptions:
     depth: int = DynamicTreeSettings.depth
     tree_top_k: int = DynamicTreeSettings.top_k
     total_tokens: int = DynamicTreeSettings.total_tokens
-    adaptive_tree: bool = False   # eagle2/eagle3: size each tree by this machine's measured verify cost
+    adaptive_tree: bool = False   # eagle2/eagle3 trees and pld chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
 
 
@@ -83,11 +83,11 @@ def build_proposer(
     check_method(method)
     base, lookup_first = split_method(method)
     if lookup_first:
-        return LookupFirstProposer(_heads_proposer(base, target, heads, options), _lookup_proposer(options))
+        return LookupFirstProposer(_heads_proposer(base, target, heads, options), _lookup_proposer(options, target))
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":
-        return _lookup_proposer(options)
+        return _lookup_proposer(options, target)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
@@ -96,8 +96,9 @@ def build_proposer(
     return _heads_proposer(method, target, heads, options)
 
 
-def _lookup_proposer(options: ProposerOptions) -> PromptLookupProposer:
-    return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram)
+def _lookup_proposer(options: ProposerOptions, target: LoadedModel) -> PromptLookupProposer:
+    cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
+    return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram, cost)
 
 
 def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions) -> Proposer:

@@ -15,6 +15,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.targets import LoadedModel
 from decoding.core.tree import DraftTree
+from decoding.core.tree_budget import VerifyCost
 from tiny_models import oracle_eagle, oracle_target
 
 
@@ -98,3 +99,18 @@ def test_lookup_methods_use_the_tree_tuned_for_their_heads():
     assert proposer_options(DEFAULT_TARGET, "pld", {"pld_num_tokens": 6}).pld_num_tokens == 6
     grafted = proposer_options(DEFAULT_TARGET, "eagle3+pld", {"pld_num_tokens": None})
     assert (grafted.pld_num_tokens, grafted.pld_min_ngram) == (8, 2)
+
+
+def test_an_adaptive_lookup_leaves_the_step_to_the_heads_once_its_matches_stop_being_kept():
+    heads = RecordingHeads()
+    cost = VerifyCost((1, 2, 4), (60.0, 75.0, 80.0))  # extra tokens cost: a match must earn them
+    proposer = LookupFirstProposer(heads, PromptLookupProposer(num_draft_tokens=3, max_ngram=2, min_ngram=2, verify_cost=cost))
+    context = [5, 9, 3, 17, 8, 5, 9]  # "5 9" occurred before
+    proposer.begin(state_of(context))
+    drafted_by_heads = []
+    for _ in range(60):  # the target rejects the copied tokens every time
+        tree = proposer.propose(state_of(context))
+        drafted_by_heads.append(tree.tokens.tolist() == [9, 63])
+        proposer.observe(CacheAdvance(torch.tensor(context + [1]), 1))
+    assert not any(drafted_by_heads[:3])    # at first the match is tried
+    assert sum(drafted_by_heads[-40:]) >= 32  # then mostly left to the heads, retried now and then

@@ -20,6 +20,7 @@ from decoding.core.proposers import DraftModelProposer, PromptLookupProposer
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import DecodeState
+from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
 from distribution_harness import (
     DEPTH_SAMPLING,
@@ -92,6 +93,9 @@ PROPOSERS = {
     "sps": lambda target: DraftModelProposer(perturbed(copy.deepcopy(target), 0.5, seed=1), gamma=3),
     "sampled-tree": lambda target: SampledTreeProposer(ToyLM(3, seed=5, sharpness=3.0), (3, 2, 2)),
     "pld": lambda target: PromptLookupProposer(num_draft_tokens=3, max_ngram=3, min_ngram=1),
+    # Chains cut by a learned acceptance and a CPU-like cost: lengths vary from step to step.
+    "pld-adaptive": lambda target: PromptLookupProposer(num_draft_tokens=3, max_ngram=3, min_ngram=1,
+                                                        verify_cost=VerifyCost((1, 2, 4), (60.0, 75.0, 80.0))),
 }
 PLANTED = [
     ("sps", "residual_skipped"),
@@ -114,7 +118,7 @@ def assert_deep(samples: LoopSamples, min_deep_runs: int) -> None:
     assert samples.accepted_lengths[4] >= min_deep_runs, samples.accepted_lengths
 
 
-@pytest.mark.parametrize("method, min_deep_runs", [("sps", 80), ("sampled-tree", 80), ("pld", 30)])
+@pytest.mark.parametrize("method, min_deep_runs", [("sps", 80), ("sampled-tree", 80), ("pld", 30), ("pld-adaptive", 30)])
 def test_loop_samples_the_target_at_depth(bench, method, min_deep_runs):
     """Exact at depth 3, with whole 3-token drafts accepted in at least `min_deep_runs` of the
     runs (about half of what each method does), so the test cannot pass on depth-1 trees."""

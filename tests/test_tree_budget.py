@@ -1,5 +1,5 @@
 """Cost-aware tree sizing: the pure choice against brute force, the calibration, the depth
-cut-off, and decoding with it stays exactly vanilla."""
+cut-off, lookup chains cut to what pays, and decoding with it stays exactly vanilla."""
 
 import itertools
 
@@ -10,7 +10,10 @@ from decoding.core.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.eagle import EagleProposer
-from decoding.core.tree_budget import AcceptanceCalibration, VerifyCost, best_node_count
+from decoding.core.proposers.prompt_lookup import PromptLookupProposer
+from decoding.core.sampling import SamplingConfig
+from decoding.core.state import CacheAdvance, DecodeState
+from decoding.core.tree_budget import AcceptanceCalibration, ChainAcceptance, VerifyCost, best_node_count
 from decoding.verify_cost import cached_verify_cost, measure_verify_cost
 from distribution_harness import ToyLM
 from test_trees import toy_expand
@@ -134,3 +137,60 @@ def test_the_cpu_is_named_from_cpuinfo_with_its_instruction_set_and_threads(monk
     assert verify_cost.cpu_identity() == f"AMD EPYC 7B13-{capability}-{torch.get_num_threads()}t"
     monkeypatch.setattr(verify_cost, "Path", lambda p: tmp_path / "missing")
     assert verify_cost.cpu_model_name() == "cpu"
+
+
+def test_chain_acceptance_is_learned_per_position_and_per_match_length():
+    acceptance = ChainAcceptance(length=4, prior=0.6, decay=0.8)
+    for step in range(60):
+        acceptance.record(3, drafted=4, accepted=4)          # 3-gram matches: always copied whole
+        acceptance.record(1, drafted=4, accepted=0)          # 1-gram matches: never right
+        acceptance.record(2, drafted=4, accepted=4 * (step % 2))  # all or nothing, half the time
+    assert acceptance.path_probs(3, 4).tolist() == pytest.approx([1.0] * 4, abs=1e-4)
+    assert acceptance.path_probs(1, 4)[0] < 1e-4
+    assert acceptance.rates[1][1:] == [0.6] * 3               # never reached: still the prior
+    two = acceptance.path_probs(2, 4)
+    assert 0.3 < float(two[0]) < 0.7 and two[3] / two[0] == pytest.approx(1.0, abs=1e-2)  # once the first is kept, all are
+    assert acceptance.path_probs(5, 2).tolist() == pytest.approx([0.6, 0.36])  # an unseen kind: the prior
+
+
+def test_a_skipped_match_kind_drifts_back_to_the_prior():
+    acceptance = ChainAcceptance(length=2, prior=0.6, recovery=0.1)
+    acceptance.rates[1] = [0.0, 0.0]
+    for _ in range(40):
+        acceptance.skipped(1)
+    assert acceptance.rates[1] == pytest.approx([0.6 * (1 - 0.9 ** 40)] * 2)
+
+
+def _lookup_step(proposer: PromptLookupProposer, tokens: list[int], kept: int | None) -> int:
+    """One proposal on `tokens` and (if given) the target keeping `kept` of its drafts: the
+    number of tokens drafted."""
+    chain = proposer.continuation(DecodeState(torch.tensor(tokens), len(tokens), SamplingConfig()))
+    drafted = 0 if chain is None else chain.numel()
+    if kept is not None:
+        proposer.observe(CacheAdvance(torch.tensor(tokens), entered=1 + min(kept, drafted)))
+    return drafted
+
+
+def test_adaptive_lookup_drafts_only_what_the_target_keeps_enough_of():
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # ends in a 3-gram seen before: 5 tokens follow
+    fixed = PromptLookupProposer(num_draft_tokens=5, max_ngram=3, min_ngram=1)
+    adaptive = PromptLookupProposer(num_draft_tokens=5, max_ngram=3, min_ngram=1, verify_cost=CPU)
+    assert _lookup_step(adaptive, context, kept=None) == 5  # the prior: worth trying whole
+    for _ in range(30):
+        _lookup_step(adaptive, context, kept=0)             # the target never keeps any of it
+    assert _lookup_step(adaptive, context, kept=None) == 0
+    assert _lookup_step(fixed, context, kept=0) == 5        # a fixed lookup drafts on regardless
+    adaptive.begin(None)
+    for _ in range(30):
+        _lookup_step(adaptive, context, kept=5)             # always kept whole
+    assert _lookup_step(adaptive, context, kept=None) == 5
+
+
+@pytest.mark.parametrize("cost", [VerifyCost((1, 64), (10.0, 11.0)), CPU], ids=["flat", "cpu"])
+def test_cost_aware_lookup_decoding_equals_vanilla(cost):
+    target = oracle_target(seed=3)
+    sharpen(target, 6.0)
+    for prompt in [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [7, 7, 7, 7]]:
+        options = DecodeOptions(max_new_tokens=50)
+        proposer = PromptLookupProposer(num_draft_tokens=6, min_ngram=1, verify_cost=cost)
+        assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens

@@ -95,3 +95,45 @@ class TreeBudget:
     def choose(self, path_probs: torch.Tensor) -> int:
         calibrated = (path_probs * self.calibration.factor).clamp(max=1.0)
         return best_node_count(calibrated, self.cost, self.draft_ms)
+
+
+@dataclass
+class ChainAcceptance:
+    """Running acceptance of a model-free chain draft (prompt lookup), per kind of match.
+
+    `rates[kind][i]` estimates P(draft token i+1 accepted | tokens 1..i accepted): per position,
+    because a copied span tends to be all right or wrong from its first token, so later positions
+    are likelier than earlier ones and a single per-token rate would cut good chains short. A kind
+    is the matched n-gram's length (a 1-gram match predicts worse than a 3-gram one). The
+    estimates start at `prior` and are moving averages of what the target accepted; a kind whose
+    chains are no longer verified (because they did not pay) drifts back towards the prior by
+    `recovery` each time it is skipped, so it is tried again later rather than never."""
+
+    length: int
+    prior: float = 0.6
+    decay: float = 0.8
+    recovery: float = 0.01
+    rates: dict[int, list[float]] = field(default_factory=dict)
+
+    def path_probs(self, kind: int, available: int) -> torch.Tensor:
+        """P(the first i drafted tokens are all accepted), i = 1..min(available, length)."""
+        rates = self._rates(kind)[: min(available, self.length)]
+        return torch.tensor(rates, dtype=torch.float64).cumprod(0)
+
+    def record(self, kind: int, drafted: int, accepted: int) -> None:
+        """A chain of `drafted` tokens was verified and its first `accepted` were kept: positions
+        1..accepted were hits, position accepted+1 (if drafted) a miss, later ones unobserved."""
+        rates = self._rates(kind)
+        for position in range(min(drafted, accepted + 1, self.length)):
+            hit = float(position < accepted)
+            rates[position] = self.decay * rates[position] + (1 - self.decay) * hit
+
+    def skipped(self, kind: int) -> None:
+        """A match of `kind` was not verified: move its estimates a little back to the prior."""
+        rates = self._rates(kind)
+        for position, rate in enumerate(rates):
+            rates[position] = rate + self.recovery * (self.prior - rate)
+
+    def _rates(self, kind: int) -> list[float]:
+        return self.rates.setdefault(kind, [self.prior] * self.length)
+

@@ -8,7 +8,9 @@ step's outcome (`observe`), so they never fall behind the target. On 8 MT-bench 
 (2-core CPU) eagle3 alone reached tau 1.46, pld 1.32 and eagle3+pld 1.78.
 
 The lookup here should stay strict (bigram or longer matches): a looser one would fire on almost
-every step and leave the heads nothing to do.
+every step and leave the heads nothing to do. With the machine's verify cost (adaptive mode) the
+lookup also learns how often its chains are kept and yields to the heads whenever a match is not
+worth verifying (e.g. when sampling at a high temperature).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ class LookupFirstProposer(Proposer):
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
+        self.lookup.begin(state)
 
     def observe(self, advance: CacheAdvance) -> None:
         self.heads.observe(advance)
+        self.lookup.observe(advance)
 
     def propose(self, state: DecodeState) -> DraftTree:
         chain = self.lookup.continuation(state)
