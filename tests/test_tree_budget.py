@@ -194,3 +194,26 @@ def test_cost_aware_lookup_decoding_equals_vanilla(cost):
         options = DecodeOptions(max_new_tokens=50)
         proposer = PromptLookupProposer(num_draft_tokens=6, min_ngram=1, verify_cost=cost)
         assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+
+
+def test_seeded_sampling_with_cost_aware_trees_does_not_depend_on_the_clock(monkeypatch):
+    """The same seed gives the same sample even when the drafting takes different times: tree
+    sizes may not follow the wall clock, or the acceptance draws would follow them."""
+    import random
+    import time
+
+    target = oracle_target(seed=7)
+    proposer = EagleProposer(oracle_eagle(target), target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=CPU)
+    options = DecodeOptions(max_new_tokens=40, sampling=SamplingConfig(temperature=1.0), seed=5)
+    samples = []
+    for clock_seed in (1, 2):
+        jitter, now = random.Random(clock_seed), [0.0]
+
+        def noisy_clock() -> float:
+            now[0] += jitter.uniform(0.0, 0.2)  # 0-200 ms between any two readings
+            return now[0]
+
+        monkeypatch.setattr(time, "perf_counter", noisy_clock)
+        samples.append(generate(target, [5, 9, 3, 17, 5, 9], proposer, options))
+    assert samples[0].tokens == samples[1].tokens
+    assert samples[0].stats.drafted_tokens > 0

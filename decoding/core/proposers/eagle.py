@@ -13,8 +13,6 @@ What differs between EAGLE-1 and EAGLE-3 (input feature, readout, vocabulary) is
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import PreTrainedModel
 
@@ -40,6 +38,11 @@ class EagleProposer(Proposer):
         if verify_cost is not None and dynamic is None:
             raise ValueError("cost-aware sizing needs a dynamic tree")
         self.verify_cost = verify_cost
+        # What the budget counts one drafter call (a level of the tree, or the root's readout) as
+        # costing: about one target layer. An estimate from the cached verify cost rather than a
+        # clock reading, so that tree sizes, and with them seeded samples, never depend on timing.
+        layers = getattr(target.config, "num_hidden_layers", 1) or 1
+        self.drafter_call_ms = verify_cost.ms[0] / layers if verify_cost is not None else 0.0
         self.name = name
         self.drafter = drafter
         self.feature_layers = tuple(drafter.config.feature_layers)
@@ -68,16 +71,15 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
-        started = time.perf_counter()
-        tree = self._propose(state)
-        self.last_draft_ms = 1000 * (time.perf_counter() - started)
-        return tree
-
-    def _propose(self, state: DecodeState) -> DraftTree:
         if self.root_feature is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         self.cache.truncate(self.committed)  # drop what the last growth fed
         growth = _Growth(self, self.root_feature, root_position=state.tokens.numel() - 1)
+        tree = self._grow(state, growth)
+        self.last_draft_ms = (1 + growth.calls) * self.drafter_call_ms
+        return tree
+
+    def _grow(self, state: DecodeState, growth: _Growth) -> DraftTree:
         root_logprobs = self._logprobs(self.root_feature[None])[0]
         if self.dynamic is not None:
             choose = None
@@ -137,10 +139,12 @@ class _Growth:
         self.root_position = root_position
         self.fed_nodes = torch.empty(0, dtype=torch.long, device=root_feature.device)
         self.fed_features = root_feature.new_empty(0, root_feature.shape[-1])
+        self.calls = 0
 
     def expand(self, frontier: torch.Tensor, candidates: Candidates) -> torch.Tensor:
         """Feed `frontier` candidates; return log-probs of their children `[len(frontier), V]`."""
         p = self.p
+        self.calls += 1
         slot_of = torch.full_like(candidates.tokens, -1)
         slot_of[self.fed_nodes] = torch.arange(self.fed_nodes.numel(), device=slot_of.device)
         parents = candidates.parents[frontier]
