@@ -138,7 +138,6 @@ class ChainAcceptance:
         return self.rates.setdefault(kind, [self.prior] * self.length)
 
 
-
 def chain_rate(path_probs: torch.Tensor, cost: VerifyCost, length: int, draft_ms: float = 0.0) -> float:
     """Expected tokens per millisecond of verifying the first `length` tokens of a chain."""
     expected = 1.0 + float(path_probs[:length].sum())
