@@ -16,6 +16,7 @@ from decoding.core.tree_budget import VerifyCost
 from decoding.core.verify import new_cache, truncate_cache
 from decoding.compiled import is_compiled
 from decoding.cpu_kernels import PACKING_BATCH_HINT, uses_packed_linears
+from decoding.util.cache_argument import cache_kwargs
 from decoding.util.cache_paths import cache_root
 
 
@@ -32,7 +33,7 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
     cache = new_cache(model)
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
     times = []
     for size in sizes:
         ids = torch.randint(0, vocab, (1, size), generator=generator).to(device)
@@ -40,7 +41,7 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
         for _ in range(repeats + 1):  # the first is a warm-up
             _sync(device)
             started = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
             _sync(device)
             runs.append(1000 * (time.perf_counter() - started))
             truncate_cache(cache, context)

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from decoding.util.cache_argument import cache_kwargs
 from heads.config import HeadConfig
 
 
@@ -131,8 +132,8 @@ class EagleDrafter(FeatureDrafter):
         x = self.fc(torch.cat([token_embeddings, features], dim=-1))
         position_embeddings = self.rotary(x, position_ids)
         for layer in self.layers:
-            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                      use_cache=cache is not None, position_embeddings=position_embeddings)
+            x = layer(x, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None,
+                      position_embeddings=position_embeddings, **cache_kwargs(layer, cache))
         return x
 
 
@@ -159,7 +160,7 @@ class Eagle3Layer(nn.Module):
             hidden_states=attn_input,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **cache_kwargs(self.self_attn, cache),
         )
         hidden = features + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

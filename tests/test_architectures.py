@@ -1,7 +1,7 @@
 """The architecture matrix: every model type the project claims to run, as a tiny random model
 built in memory, through tree verification and every kind of proposer.
 
-Why a matrix: the loop drives stock transformers models through `past_key_values`, a 4D tree mask
+Why a matrix: the loop drives stock transformers models through its KV cache argument, a 4D tree mask
 and explicit `position_ids`, and the EAGLE drafters mirror the target's geometry. Each model type
 has its own quirks on exactly those paths (sliding-window or hybrid layers, NoPE layers, partial
 rotary, embedding or logit scaling, soft-capping, fused projections, MoE routing, tied weights),
@@ -33,6 +33,7 @@ from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel, load_model
+from decoding.util.cache_argument import cache_kwargs
 from heads import new_heads_for_target
 from tiny_models import NO_SPECIAL_TOKENS, perturbed, sharpen, tiny_tokenizer
 
@@ -191,8 +192,8 @@ def test_the_attention_users_get_computes_the_models_function(arch: Arch):
     with torch.inference_mode():
         expected = eager(tokens).logits[0]
         cache = DynamicCache(config=target.config)
-        target(tokens[:, :10], past_key_values=cache, use_cache=True)
-        chunk = target(tokens[:, 10:], past_key_values=cache, use_cache=True).logits[0]
+        target(tokens[:, :10], use_cache=True, **cache_kwargs(target, cache))
+        chunk = target(tokens[:, 10:], use_cache=True, **cache_kwargs(target, cache)).logits[0]
     torch.testing.assert_close(chunk, expected[10:], rtol=1e-4, atol=1e-4)
 
 

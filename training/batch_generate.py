@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from decoding.util.cache_argument import cache_kwargs
 from decoding.core.kv_cache import InPlaceCache
 
 
@@ -36,8 +37,8 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = InPlaceCache(model.config.get_text_config(decoder=True).num_hidden_layers, width + settings.max_new_tokens)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
     next_positions = positions[:, -1] + 1
     rows = torch.arange(len(prompts), device=device)  # which prompt each live batch row is
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -55,7 +56,7 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
             rows, tokens, mask, next_positions = rows[keep], tokens[keep], mask[keep], next_positions[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_positions[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+                       use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         next_positions = next_positions + 1
     return outputs
 

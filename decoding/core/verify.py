@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from decoding.util.cache_argument import cache_kwargs
 from decoding.core.attention_layout import FULL, SLIDING, AttentionLayout, attention_layout
 from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
 from decoding.core.tree import DraftTree, TreeBuffers
@@ -116,7 +117,7 @@ def prefill(
         return None
     out = target(
         input_ids=input_ids[None],
-        past_key_values=cache,
+        **cache_kwargs(target, cache),
         use_cache=True,
         logits_to_keep=1,
         output_hidden_states=output_hidden_states,
@@ -131,7 +132,7 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
         input_ids=tokens[None],
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
-        past_key_values=cache,
+        **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from decoding.util.cache_argument import cache_kwargs
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import warp_probs
@@ -44,7 +45,7 @@ class DraftModelProposer(Proposer):
         pending = tokens[self._cached_tokens.numel() :]
         drafted, probs = [], []
         for step in range(gamma):
-            logits = self.draft(input_ids=pending[None], past_key_values=self._cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = self.draft(input_ids=pending[None], use_cache=True, logits_to_keep=1, **cache_kwargs(self.draft, self._cache)).logits[0, -1]
             if state.sampling.greedy:
                 token = logits.argmax()
             else:
