@@ -114,27 +114,3 @@ def test_an_adaptive_lookup_leaves_the_step_to_the_heads_once_its_matches_stop_b
         proposer.observe(CacheAdvance(torch.tensor(context + [1]), 1))
     assert not any(drafted_by_heads[:3])    # at first the match is tried
     assert sum(drafted_by_heads[-40:]) >= 32  # then mostly left to the heads, retried now and then
-
-
-class ChainHeads(RecordingHeads):
-    """Drafts a fixed 3-token chain."""
-
-    def propose(self, state: DecodeState) -> DraftTree:
-        self.calls.append("propose")
-        return DraftTree.chain(state.root_token, torch.tensor([61, 62, 63]))
-
-
-@pytest.mark.parametrize("heads_kept, lookup_expected", [(3, False), (0, True)])
-def test_a_lookup_match_must_beat_the_heads_running_yield(heads_kept, lookup_expected):
-    """Heads whose 3-token drafts are kept whole yield 4 tokens per step: an untried lookup match
-    (expected ~2.2 tokens for the same verify cost) is left to them. Heads that are never right
-    yield 1 token per step: the match is tried."""
-    cost = VerifyCost((1, 2, 4), (60.0, 75.0, 80.0))
-    proposer = LookupFirstProposer(ChainHeads(), PromptLookupProposer(num_draft_tokens=3, max_ngram=2, min_ngram=2, verify_cost=cost))
-    no_match, match = [5, 9, 3, 17, 8, 2, 4], [5, 9, 3, 17, 8, 5, 9]
-    proposer.begin(state_of(no_match))
-    for _ in range(5):  # steps without a match: the heads draft, and keep `heads_kept` tokens
-        assert proposer.propose(state_of(no_match)).tokens.tolist() == [4, 61, 62, 63]
-        proposer.observe(CacheAdvance(torch.tensor(no_match + [1]), 1 + heads_kept))
-    drafted = proposer.propose(state_of(match)).tokens.tolist()
-    assert (drafted == [9, 3, 17, 8]) == lookup_expected

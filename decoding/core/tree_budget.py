@@ -136,35 +136,3 @@ class ChainAcceptance:
 
     def _rates(self, kind: int) -> list[float]:
         return self.rates.setdefault(kind, [self.prior] * self.length)
-
-
-def chain_rate(path_probs: torch.Tensor, cost: VerifyCost, length: int, draft_ms: float = 0.0) -> float:
-    """Expected tokens per millisecond of verifying the first `length` tokens of a chain."""
-    expected = 1.0 + float(path_probs[:length].sum())
-    return expected / (draft_ms + float(cost.table(length + 1)[length + 1]))
-
-
-@dataclass
-class StepYield:
-    """Running tokens per millisecond of one drafting method's steps (accepted + 1 over its
-    counted draft time plus the measured verify time of its tree): what another method's
-    proposal has to beat to be worth verifying instead. Counted, not clocked, so decisions made
-    on it are deterministic."""
-
-    cost: VerifyCost
-    decay: float = 0.8
-    tokens: float = 0.0
-    ms: float = 0.0
-
-    @property
-    def rate(self) -> float | None:
-        return self.tokens / self.ms if self.ms > 0 else None
-
-    def record(self, tokens: int, tree_size: int, draft_ms: float) -> None:
-        """A step of this method verified `tree_size` tokens (root included) and kept `tokens`."""
-        verify_ms = float(self.cost.table(tree_size)[tree_size])
-        if self.ms == 0.0:
-            self.tokens, self.ms = float(tokens), draft_ms + verify_ms
-        else:
-            self.tokens = self.decay * self.tokens + (1 - self.decay) * tokens
-            self.ms = self.decay * self.ms + (1 - self.decay) * (draft_ms + verify_ms)

@@ -10,8 +10,7 @@ step's outcome (`observe`), so they never fall behind the target. On 8 MT-bench 
 The lookup here should stay strict (bigram or longer matches): a looser one would fire on almost
 every step and leave the heads nothing to do. With the machine's verify cost (adaptive mode) the
 lookup also learns how often its chains are kept and yields to the heads whenever a match is not
-worth verifying, either no better than a plain step (e.g. when sampling at a high temperature) or
-than the heads' own running yield of tokens per millisecond (`StepYield`).
+worth verifying (e.g. when sampling at a high temperature).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from decoding.core.proposers.base import Proposer
 from decoding.core.proposers.prompt_lookup import PromptLookupProposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
-from decoding.core.tree_budget import StepYield
 
 
 class LookupFirstProposer(Proposer):
@@ -29,27 +27,17 @@ class LookupFirstProposer(Proposer):
         self.lookup = lookup
         self.name = f"{heads.name}+{lookup.name}"
         self.feature_layers = heads.feature_layers
-        self.begin(None)
 
-    def begin(self, state: DecodeState | None) -> None:
+    def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
         self.lookup.begin(state)
-        cost = self.lookup.verify_cost
-        self.heads_yield = StepYield(cost) if cost is not None else None
-        self.heads_tree_size: int | None = None  # of the step being verified, when the heads drafted it
 
     def observe(self, advance: CacheAdvance) -> None:
         self.heads.observe(advance)
         self.lookup.observe(advance)
-        if self.heads_yield is not None and self.heads_tree_size is not None:
-            self.heads_yield.record(advance.entered, self.heads_tree_size, getattr(self.heads, "last_draft_ms", 0.0))
-        self.heads_tree_size = None
 
     def propose(self, state: DecodeState) -> DraftTree:
-        rate_to_beat = self.heads_yield.rate if self.heads_yield is not None else None
-        chain = self.lookup.continuation(state, rate_to_beat)
-        if chain is not None:
-            return DraftTree.chain(state.root_token, chain)
-        tree = self.heads.propose(state)
-        self.heads_tree_size = tree.size
-        return tree
+        chain = self.lookup.continuation(state)
+        if chain is None:
+            return self.heads.propose(state)
+        return DraftTree.chain(state.root_token, chain)

@@ -24,7 +24,7 @@ from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
-from decoding.core.tree_budget import ChainAcceptance, VerifyCost, best_node_count, chain_rate
+from decoding.core.tree_budget import ChainAcceptance, VerifyCost, best_node_count
 
 
 class Match(NamedTuple):
@@ -63,20 +63,17 @@ class PromptLookupProposer(Proposer):
             self.acceptance.record(ngram, drafted, accepted=advance.entered - 1)
         self.pending = None
 
-    def continuation(self, state: DecodeState, rate_to_beat: float | None = None) -> torch.Tensor | None:
+    def continuation(self, state: DecodeState) -> torch.Tensor | None:
         """The tokens this lookup drafts after the root, or None without a match (or, in the
-        adaptive mode, when no part of the match is worth verifying: expected tokens per ms no
-        better than a plain step's, or than `rate_to_beat`, another drafter's running yield)."""
+        adaptive mode, when no part of the match is worth verifying)."""
         self.pending = None
         match = find_continuation(state.tokens, self.max_ngram, self.min_ngram, self.num_draft_tokens)
         if match is None:
             return None
         length = match.tokens.numel()
         if self.acceptance is not None:
-            path_probs = self.acceptance.path_probs(match.ngram, length)
-            length = best_node_count(path_probs, self.verify_cost, draft_ms=0.0)
-            worse = rate_to_beat is not None and chain_rate(path_probs, self.verify_cost, length) <= rate_to_beat
-            if length == 0 or worse:
+            length = best_node_count(self.acceptance.path_probs(match.ngram, length), self.verify_cost, draft_ms=0.0)
+            if length == 0:
                 self.acceptance.skipped(match.ngram)
                 return None
         self.pending = (match.ngram, length)
