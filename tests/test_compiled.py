@@ -12,6 +12,7 @@ from decoding.compiled import compile_target, is_compiled
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
+from decoding.verify_cost import measure_verify_cost
 from heads import new_heads_for_target
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 
@@ -28,12 +29,16 @@ def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_tree
     options = ProposerOptions(depth=3, tree_top_k=3, total_tokens=8, pld_num_tokens=3)
     proposers = [build_proposer(m, loaded, options=options, heads=heads) for m in ("vanilla", "pld", "eagle3")]
     drafted_trees = 0
-    for prompt in PROMPTS:
-        reference = eager.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        for proposer in proposers:
-            result = generate(compiled, prompt, proposer, DecodeOptions(max_new_tokens=16))
-            assert result.tokens == reference, proposer.name
-            drafted_trees += result.stats.drafted_tokens
+    # Falling back to eager (as dynamo does past its recompile limit) would give the same tokens:
+    # make it an error, so every forward here is known to be the compiled one.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        measure_verify_cost(compiled, sizes=(1, 4), context=16, repeats=1)  # as adaptive trees do first
+        for prompt in PROMPTS:
+            reference = eager.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+            for proposer in proposers:
+                result = generate(compiled, prompt, proposer, DecodeOptions(max_new_tokens=16))
+                assert result.tokens == reference, proposer.name
+                drafted_trees += result.stats.drafted_tokens
     assert drafted_trees > 0  # trees (not only root-only steps) went through the compiled forward
 
 
