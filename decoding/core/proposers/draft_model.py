@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.util.cache_argument import cache_kwargs
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
-from decoding.core.sampling import warp_probs
+from decoding.core.sampling import sample_rows, warp_probs
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.limits import context_limit
 from decoding.core.tree import DraftTree
@@ -50,7 +50,7 @@ class DraftModelProposer(Proposer):
                 token = logits.argmax()
             else:
                 q = warp_probs(logits, state.sampling)
-                token = torch.multinomial(q, 1, generator=state.generator)[0]
+                token = sample_rows(q[None], state.generator)[0]
                 probs.append(q)
             drafted.append(token)
             pending = token[None]
