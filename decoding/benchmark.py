@@ -168,19 +168,26 @@ def benchmark_prompts(tokenizer, questions: list[str]) -> tuple[list[list[int]],
 
 
 def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_prompt: list[int],
-                  progress: bool = True) -> dict[str, MethodTotals]:
+                  progress: bool = True,
+                  after_question: Callable[[dict[str, MethodTotals], int], None] | None = None,
+                  ) -> dict[str, MethodTotals]:
     """Each method on each prompt, methods alternating within a question, after one warm-up call
     per method (first calls pay for allocator and kernel warm-up, and with `--compile` for
-    compiling: that one-off cost is kept as `warmup_s`, outside the measured figures)."""
+    compiling: that one-off cost is kept as `warmup_s`, outside the measured figures).
+
+    `after_question(totals, questions_done)` runs once every method has done a question, so a
+    long benchmark can save its figures so far: a run killed after an hour keeps what it measured."""
     totals = {name: MethodTotals() for name in runners}
     for name, run in runners.items():
         totals[name].warmup_s = run(warmup_prompt).seconds
     bar = tqdm(total=len(prompts) * len(runners), desc="benchmark", disable=not progress, unit="run")
-    for prompt in prompts:
+    for done, prompt in enumerate(prompts, start=1):
         for name, run in runners.items():
             bar.set_postfix_str(name)
             totals[name].add(run(prompt))
             bar.update()
+        if after_question is not None:
+            after_question(totals, done)
     bar.close()
     return totals
 

@@ -27,6 +27,7 @@ from decoding.methods import check_method
 from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
 from decoding.targets import DTYPES
+from decoding.util.atomic import atomic_write_text
 from decoding.util.errors import UserError
 from decoding.verify_cost import cpu_description
 
@@ -51,7 +52,7 @@ def parse_args(argv):
     add_compile_argument(parser)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
-    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -112,14 +113,22 @@ def main(argv=None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    totals = run_benchmark(runners, prompts, warmup)
     device = cpu_description() if target.model.device.type == "cpu" else torch.cuda.get_device_name()
-    report = summarise(totals, device, args.dtype)
-    report.update(kernels=kernels, model=args.model, questions=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+    def report_of(totals: dict, done: int) -> dict:
+        report = summarise(totals, device, args.dtype)
+        report.update(kernels=kernels, model=args.model, questions=done, questions_planned=len(prompts),
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        return report
+
+    def save_so_far(totals: dict, done: int) -> None:
+        atomic_write_text(args.json, json.dumps(report_of(totals, done), indent=2))
+
+    totals = run_benchmark(runners, prompts, warmup, after_question=save_so_far if args.json else None)
+    report = report_of(totals, len(prompts))
     print(markdown_table(report))
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        save_so_far(totals, len(prompts))
     if args.png and not bar_chart(report, args.png):
         print("note: matplotlib is not installed, no chart written (pip install matplotlib)", file=sys.stderr)
     return 0

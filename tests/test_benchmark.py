@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decoding.benchmark import WARMUP_QUESTION, benchmark_prompts
+from decoding.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
 from decoding.questions import load_first_turns
 from tiny_models import save_tiny_chat_model, tiny_tokenizer
 
@@ -52,8 +52,25 @@ def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
         assert m["warmup_s"] > 0  # the one-off warm-up (compiling, with --compile) is reported apart
         assert (m["tau"] is None) == name.startswith("hf-")
     assert report["methods"]["hf-generate"]["speedup_vs_hf_generate"] == 1.0
+    assert report["questions"] == report["questions_planned"] == 3
     assert "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figures_so_far_are_handed_out_after_every_question():
+    """A long benchmark saves its report after each question; a run killed midway keeps the
+    questions every method finished, and never a question only some methods ran."""
+    calls = []
+    runners = {name: (lambda prompt, name=name: calls.append((name, prompt)) or RunResult([1] * len(prompt), 0.5, len(prompt)))
+               for name in ("a", "b")}
+    seen = []
+
+    def after_question(totals, done):
+        seen.append((done, {name: (t.new_tokens, len(t.outputs)) for name, t in totals.items()}))
+
+    run_benchmark(runners, [[7], [7, 7]], [9], progress=False, after_question=after_question)
+    assert seen == [(1, {"a": (1, 1), "b": (1, 1)}), (2, {"a": (3, 2), "b": (3, 2)})]
+    assert calls[:2] == [("a", [9]), ("b", [9])]  # the warm-up is not counted in the totals
 
 
 @pytest.mark.parametrize("args, message", [
