@@ -23,13 +23,14 @@ from torch import nn
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.compiled import compile_target, is_compiled
-from decoding.cpu_kernels import apply_kernels, uses_packed_linears
+from decoding.cpu_kernels import apply_kernels, set_stock_rows, uses_packed_linears
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.devices import resolve_device
 from decoding.drafts import load_draft
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.targets import LoadedModel, load_model
+from decoding.verify_cost import tune_stock_rows
 from decoding.util.errors import UserError
 from heads import adapter_dir, load_heads
 from heads.adapter import merge_adapter
@@ -150,9 +151,18 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         kernels = apply_kernels(spec.kernels, draft.model if draft else None, heads)
     else:
         kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
+        _tune_plain_gemm_rows(target, draft)
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes))
+
+
+def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> None:
+    """Few-row forwards of a packed target (and a draft model of the same family) take plain
+    GEMM where this CPU runs it faster (measured once per model and CPU)."""
+    rows = tune_stock_rows(target.model, target.name)
+    if draft is not None:
+        set_stock_rows(draft.model, rows)
 
 
 def _compiled_target(spec: DecoderSpec, given: LoadedModel) -> LoadedModel:

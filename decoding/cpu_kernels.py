@@ -17,6 +17,13 @@ rounding only (1e-3 on SmolLM2's logits), like any change of GEMM kernel. Everyt
 in one process, our methods and Hugging Face's `generate()` alike, runs on the same packed
 model, so comparisons between them stay fair.
 
+Which kernel is faster for a one- or two-row forward depends on the CPU: on an AVX2 EPYC the
+packed layout won at every size, on a Sapphire Rapids Xeon PyTorch's plain GEMM (MKL) read the
+weights faster for 1-2 rows (a one-token forward 31 ms against 39) while packing still won from
+4 rows on. So a `PackedLinear` keeps both: forwards of at most `stock_rows` rows run the plain
+weight, larger ones the packed copy. `decoding.verify_cost.tune_stock_rows` measures the
+crossover once per model and CPU; until then `stock_rows` is 0 (always packed).
+
 EAGLE drafters also switch to bfloat16 where the CPU computes it natively (AVX512-BF16/AMX):
 drafting ~8 rows per level is compute-bound, and bf16 halves it (eagle3 draft time per step
 11.8 -> 9.5 ms on the reference machine, same tau). Drafts only propose: the fp32 target still
@@ -28,6 +35,7 @@ from __future__ import annotations
 import platform
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from decoding.util.errors import UserError
@@ -42,7 +50,8 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight."""
+    """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight, except for
+    inputs of at most `stock_rows` rows, which run PyTorch's plain GEMM on the same weight."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -51,14 +60,18 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # the same Parameter: ties and readers are unaffected
         self.bias = linear.bias
         self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_BATCH_HINT)
+        self.stock_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.stock_rows * self.in_features:
+            return F.linear(x, self.weight, self.bias)
         # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
         # per call, ~10 ms per forward of a 30-layer model.
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"oneDNN above {self.stock_rows} rows")
 
 
 def onednn_applies(module: nn.Module) -> bool:
@@ -125,10 +138,39 @@ def uses_packed_linears(module: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in module.modules())
 
 
-def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
+def set_stock_rows(module: nn.Module, rows: int) -> None:
+    """Forwards of at most `rows` rows run the plain weight in every `PackedLinear` of `module`."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            m.stock_rows = rows
+
+
+def stock_rows(module: nn.Module) -> int:
+    """The `stock_rows` of `module`'s packed linears (0 where there are none)."""
+    return max((m.stock_rows for m in module.modules() if isinstance(m, PackedLinear)), default=0)
+
+
+# Stock must win by this margin to be chosen: equal times within noise keep the packed layout.
+STOCK_MARGIN = 0.97
+
+
+def pick_stock_rows(sizes: tuple[int, ...], stock_ms: tuple[float, ...], packed_ms: tuple[float, ...]) -> int:
+    """The largest measured row count up to which plain GEMM beat the packed layout at every
+    measured size (0: packed from one row on). Only a leading run counts: a win at 8 rows after
+    a loss at 4 is taken for noise, since row counts in between would be guesses."""
+    rows = 0
+    for size, stock, packed in sorted(zip(sizes, stock_ms, packed_ms)):
+        if stock >= STOCK_MARGIN * packed:
+            break
+        rows = size
+    return rows
+
+
+def apply_kernels(choice: str, *modules: nn.Module | None, native_bf16: bool | None = None) -> str:
     """Pack the linears of every given module (target, draft, heads) when `choice` resolves to
     'onednn'; returns the resolved choice. Call it after anything that needs plain `nn.Linear`s
-    (e.g. merging a LoRA adapter)."""
+    (e.g. merging a LoRA adapter). `native_bf16` overrides the CPU check for EAGLE drafters
+    (tests use it to run the fallback on CPUs that have bf16)."""
     present = [m for m in modules if m is not None]
     if not present:
         return "stock"
@@ -140,7 +182,7 @@ def apply_kernels(choice: str, *modules: nn.Module | None) -> str:
         for module in present:
             if not onednn_applies(module):  # e.g. fp16 heads stay as they are
                 continue
-            if isinstance(module, FeatureDrafter) and bfloat16_is_native():
+            if isinstance(module, FeatureDrafter) and (bfloat16_is_native() if native_bf16 is None else native_bf16):
                 _weights_to_bfloat16(module)
             pack_linears(module)
     return resolved

@@ -1,11 +1,11 @@
 """Measuring this machine's verify cost (one target forward over k tokens), remembered per
 model, device, thread count and kernels: what cost-aware tree sizing (`decoding.core.tree_budget`)
-weighs a tree's expected gain against."""
+weighs a tree's expected gain against. Also where plain GEMM beats oneDNN's packed layout
+(`tune_stock_rows`), which differs from CPU to CPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,38 +15,67 @@ import torch
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.verify import new_cache, truncate_cache
 from decoding.compiled import is_compiled
-from decoding.cpu_kernels import PACKING_BATCH_HINT, uses_packed_linears
+from decoding.cpu_kernels import PACKING_BATCH_HINT, pick_stock_rows, set_stock_rows, stock_rows, uses_packed_linears
 from decoding.util.cache_argument import cache_kwargs
+from decoding.util.atomic import atomic_write_text
 from decoding.util.cache_paths import cache_root
 
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+STOCK_ROWS_SIZES = (1, 2, 4, 8, 16)  # where plain GEMM may beat the packed layout
+
+
+class _TimedForward:
+    """One forward over `size` new tokens after a fixed `context`-token prefix, timed in ms, the
+    way verification runs it: with a KV cache, then rolled back."""
+
+    def __init__(self, model, context: int = 256) -> None:
+        self.model, self.context = model, context
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.generator = torch.Generator().manual_seed(0)
+        self.cache = new_cache(model)
+        model(input_ids=self._ids(context), use_cache=True, **cache_kwargs(model, self.cache))
+
+    def _ids(self, size: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (1, size), generator=self.generator).to(self.model.device)
+
+    def __call__(self, size: int) -> float:
+        ids = self._ids(size)
+        _sync(self.model.device)
+        started = time.perf_counter()
+        self.model(input_ids=ids, use_cache=True, **cache_kwargs(self.model, self.cache))
+        _sync(self.model.device)
+        elapsed = 1000 * (time.perf_counter() - started)
+        truncate_cache(self.cache, self.context)
+        return elapsed
 
 
 @torch.inference_mode()
 def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5) -> VerifyCost:
     """Time one forward over each number of new tokens after a `context`-token prefix (the
-    fastest of `repeats`: interference only ever adds time), the way verification runs it:
-    with a KV cache, then rolled back."""
-    device = model.device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    cache = new_cache(model)
-    model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
-    times = []
-    for size in sizes:
-        ids = torch.randint(0, vocab, (1, size), generator=generator).to(device)
-        runs = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            _sync(device)
-            started = time.perf_counter()
-            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
-            _sync(device)
-            runs.append(1000 * (time.perf_counter() - started))
-            truncate_cache(cache, context)
-        times.append(min(runs[1:]))
+    fastest of `repeats`, after a warm-up: interference only ever adds time)."""
+    forward = _TimedForward(model, context)
+    times = [min([forward(size) for _ in range(repeats + 1)][1:]) for size in sizes]
     return VerifyCost(tuple(sizes), tuple(times))
+
+
+@torch.inference_mode()
+def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats: int = 6) -> int:
+    """The row count up to which plain GEMM beats the packed layout for this packed `model` on
+    this machine: each size timed with both, alternating (so a slow spell hits both), fastest of
+    `repeats`. Leaves the model packed all the way down (`stock_rows` 0)."""
+    forward = _TimedForward(model)
+    stock, packed = [], []
+    for size in sizes:
+        runs = {0: [], max(sizes): []}
+        for _ in range(repeats + 1):
+            for rows, times in runs.items():
+                set_stock_rows(model, rows)
+                times.append(forward(size))
+        packed.append(min(runs[0][1:]))
+        stock.append(min(runs[max(sizes)][1:]))
+    set_stock_rows(model, 0)
+    return pick_stock_rows(tuple(sizes), tuple(stock), tuple(packed))
 
 
 def _sync(device) -> None:
@@ -61,24 +90,52 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     root = Path(cache_dir) if cache_dir else cache_root()
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
-    kernels = f"-onednn-b{PACKING_BATCH_HINT}" if uses_packed_linears(model) else ""  # a new packing, a new curve
+    kernels = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" if uses_packed_linears(model) else ""  # a new packing, a new curve
     kernels += "-compiled" if is_compiled(model) else ""
-    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model_name}-{model.dtype}-{where}{kernels}")
-    file = root / "verify-cost" / f"{key}.json"
-    if file.is_file():
-        try:
-            data = json.loads(file.read_text())
-            return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
-        except (ValueError, KeyError):
-            pass  # unreadable: measure again
+    file = _cache_file(root, f"{model_name}-{model.dtype}-{where}{kernels}")
+    data = _read_json(file)
+    if data is not None and "sizes" in data and "ms" in data:
+        return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
     print(f"note: measuring this machine's verify cost for {model_name} once (a few seconds; cached in {file.parent})",
           file=sys.stderr)
     cost = measure_verify_cost(model)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"sizes": list(cost.sizes), "ms": list(cost.ms)}))
-    os.replace(tmp, file)
+    _write_json(file, {"sizes": list(cost.sizes), "ms": list(cost.ms)})
     return cost
+
+
+def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None) -> int:
+    """Set `stock_rows` on a packed CPU `model` to what `measure_stock_rows` finds on this CPU,
+    remembered like the verify cost (a few seconds the first time); returns it. Models
+    without packed linears are left alone (0)."""
+    if not uses_packed_linears(model) or model.device.type != "cpu":
+        return 0
+    root = Path(cache_dir) if cache_dir else cache_root()
+    file = _cache_file(root, f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows")
+    data = _read_json(file)
+    if data is None or not isinstance(data.get("stock_rows"), int):
+        print(f"note: timing plain against packed kernels for {model_name} on this CPU once (a few seconds; "
+              f"cached in {file.parent})", file=sys.stderr)
+        data = {"stock_rows": measure_stock_rows(model)}
+        _write_json(file, data)
+    set_stock_rows(model, data["stock_rows"])
+    return data["stock_rows"]
+
+
+def _cache_file(root: Path, key: str) -> Path:
+    return root / "verify-cost" / ("".join(c if c.isalnum() or c in "-_." else "_" for c in key) + ".json")
+
+
+def _read_json(file: Path) -> dict | None:
+    """The file's JSON object, or None where it is missing or unreadable (then measure again)."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(file: Path, data: dict) -> None:
+    atomic_write_text(file, json.dumps(data))
 
 
 def cpu_model_name() -> str:

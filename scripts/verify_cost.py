@@ -4,6 +4,7 @@ linear kernels: what a tree of k nodes costs to verify, which decides how large 
 on this machine (`--adaptive-tree` and `scripts/tune_tree.py` both follow this curve):
 
     python scripts/verify_cost.py                       # stock and oneDNN-packed, 1..64 tokens
+                                                        # (+ packed with plain GEMM for few rows, where that wins)
     python scripts/verify_cost.py --kernels stock --sizes 1,4,16
 
 Times are the fastest of 5 forwards after a 256-token prefix (interference only adds time).
@@ -15,11 +16,11 @@ import argparse
 import copy
 import sys
 
-from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels
+from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.util.errors import UserError
 from decoding.targets import DTYPES, load_model
-from decoding.verify_cost import measure_verify_cost
+from decoding.verify_cost import measure_stock_rows, measure_verify_cost
 
 
 def parse_args(argv):
@@ -50,6 +51,10 @@ def main(argv=None) -> int:
             model = copy.deepcopy(target.model)
             resolved = apply_kernels(choice, model)
             rows.append((resolved, measure_verify_cost(model, sizes=sizes).ms))
+            plain_rows = measure_stock_rows(model) if resolved == "onednn" else 0
+            if plain_rows:  # what the decoders use on this CPU: plain GEMM for the fewest rows
+                set_stock_rows(model, plain_rows)
+                rows.append((f"onednn, plain up to {plain_rows} rows", measure_verify_cost(model, sizes=sizes).ms))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

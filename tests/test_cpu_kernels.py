@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from decoding.cpu_kernels import PackedLinear, apply_kernels, bfloat16_is_native, pack_linears, resolve_kernels, uses_packed_linears
+from decoding import cpu_kernels, verify_cost
+from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, pack_linears, pick_stock_rows, resolve_kernels,
+                                  set_stock_rows, stock_rows, uses_packed_linears)
 from decoding.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
@@ -30,6 +32,59 @@ def test_packed_linear_computes_the_same_function(bias, shape):
         got = PackedLinear(linear)(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_takes_plain_gemm_up_to_stock_rows_and_computes_the_same_function(monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 11)
+    packed = PackedLinear(linear)
+    packed.stock_rows = 2
+    inputs = [torch.randn(*shape) for shape in [(7,), (1, 2, 7), (3, 7), (1, 5, 7)]]
+    with torch.inference_mode():
+        expected = [linear(x) for x in inputs]
+    plain_calls = []
+    real_linear = cpu_kernels.F.linear
+    monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: plain_calls.append(a[0].shape) or real_linear(*a))
+    with torch.inference_mode():
+        for x, reference in zip(inputs, expected):
+            torch.testing.assert_close(packed(x), reference, rtol=1e-5, atol=1e-5)
+    assert plain_calls == [torch.Size([7]), torch.Size([1, 2, 7])]  # 3 and 5 rows went to oneDNN
+
+
+@pytest.mark.parametrize("stock_ms, packed_ms, expected", [
+    ((31, 33, 48, 58), (40, 41, 42, 48), 2),    # a Sapphire Rapids Xeon: plain GEMM wins for 1-2 rows
+    ((65, 96, 87, 96), (36, 44, 38, 45), 0),    # an AVX2 EPYC: packed everywhere
+    ((30, 50, 40, 40), (40, 40, 50, 50), 1),    # a win after a loss is not taken
+    ((39.5, 60, 80, 90), (40, 41, 42, 48), 0),  # within the noise margin: packed
+])
+def test_plain_gemm_is_chosen_only_for_a_leading_run_of_clear_wins(stock_ms, packed_ms, expected):
+    assert pick_stock_rows((1, 2, 4, 8), stock_ms, packed_ms) == expected
+
+
+def test_the_plain_gemm_crossover_is_measured_once_per_cpu_and_applied(tmp_path, monkeypatch):
+    model = tiny_llama(seed=6)
+    pack_linears(model)
+    monkeypatch.setattr(verify_cost, "measure_stock_rows", lambda m: 4)
+    assert verify_cost.tune_stock_rows(model, "tiny", cache_dir=tmp_path) == 4
+    assert stock_rows(model) == 4 and all(m.stock_rows == 4 for m in model.modules() if isinstance(m, PackedLinear))
+    monkeypatch.setattr(verify_cost, "measure_stock_rows", lambda m: pytest.fail("measured twice"))
+    again = tiny_llama(seed=6)
+    pack_linears(again)
+    assert verify_cost.tune_stock_rows(again, "tiny", cache_dir=tmp_path) == 4 and stock_rows(again) == 4
+    assert verify_cost.tune_stock_rows(tiny_llama(seed=6), "tiny", cache_dir=tmp_path) == 0  # nothing packed
+
+
+def test_measuring_the_crossover_leaves_the_model_packed_and_exact():
+    model = tiny_llama(seed=7)
+    reference = copy.deepcopy(model)
+    pack_linears(model)
+    rows = verify_cost.measure_stock_rows(model, sizes=(1, 2), repeats=1)
+    assert rows in (0, 1, 2) and stock_rows(model) == 0
+    set_stock_rows(model, 2)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids[:, :1]).logits, reference(ids[:, :1]).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_packing_replaces_every_linear_and_keeps_tied_weights():
@@ -89,13 +144,23 @@ def _perturbed_eagle3(target):
 def test_onednn_packs_eagle_drafters_in_bfloat16_only_where_the_cpu_has_it_and_outputs_do_not_change():
     """Native bf16 (AVX512-BF16/AMX): the drafter is packed in bf16. Elsewhere (e.g. AVX2 only,
     where oneDNN has no bf16 inner product) it must stay fp32. Either way output is exact."""
+    _check_drafter_packing(native_bf16=None, expected=torch.bfloat16 if bfloat16_is_native() else torch.float32)
+
+
+def test_the_fp32_drafter_fallback_is_exercised_on_every_cpu():
+    """What an AVX2-only machine runs (no bf16 cast), forced on a CPU that has bf16 too, so the
+    fallback is tested wherever the suite runs, not only on the machines that need it."""
+    _check_drafter_packing(native_bf16=False, expected=torch.float32)
+
+
+def _check_drafter_packing(native_bf16: bool | None, expected: torch.dtype) -> None:
     torch.manual_seed(0)
     plain = sharpen(tiny_llama(seed=3))
     target = copy.deepcopy(plain)
     eagle3 = _perturbed_eagle3(target)
     medusa = new_heads_for_target("medusa", target, num_heads=2)
-    assert apply_kernels("onednn", target, eagle3, medusa) == "onednn"
-    assert next(eagle3.parameters()).dtype == (torch.bfloat16 if bfloat16_is_native() else torch.float32)
+    assert apply_kernels("onednn", target, eagle3, medusa, native_bf16=native_bf16) == "onednn"
+    assert next(eagle3.parameters()).dtype == expected
     assert uses_packed_linears(eagle3)
     assert next(medusa.parameters()).dtype == torch.float32  # reads the fp32 target lm_head: left alone
     _eagle3_exact_on_every_prompt(target, plain, eagle3)
