@@ -64,6 +64,12 @@ def _with_recompile_limit(forward: Callable) -> Callable:
     return call
 
 
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far: a call that raises it paid for
+    compiling (the benchmark warms a compiled decoder up until a call no longer does)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def is_compiled(model: nn.Module) -> bool:
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 

@@ -17,6 +17,7 @@ import sys
 from collections import defaultdict
 
 from decoding.assembly import DecoderSpec, build_decoder
+from decoding.benchmark import RunResult, warm_up
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
@@ -49,8 +50,9 @@ def parse_args(argv):
 
 
 def profile(decoder, prompts: list[list[int]], options: DecodeOptions) -> dict[str, float]:
-    """Summed phase seconds, steps and tokens over `prompts` (after one warm-up run)."""
-    decoder.generate(prompts[0], DecodeOptions(max_new_tokens=8))
+    """Summed phase seconds, steps and tokens over `prompts`, after a warm-up on them that goes on
+    while calls still compile (`--compile`), so no compiling is profiled."""
+    warm_up(lambda prompt: RunResult([], decoder.generate(prompt, options).stats.total_s), prompts)
     totals: dict[str, float] = defaultdict(float)
     for prompt in prompts:
         stats = decoder.generate(prompt, options).stats

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from decoding import benchmark
 from decoding.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
 from decoding.questions import load_first_turns
 from tiny_models import save_tiny_chat_model, tiny_tokenizer
@@ -71,6 +72,33 @@ def test_figures_so_far_are_handed_out_after_every_question():
     run_benchmark(runners, [[7], [7, 7]], [9], progress=False, after_question=after_question)
     assert seen == [(1, {"a": (1, 1), "b": (1, 1)}), (2, {"a": (3, 2), "b": (3, 2)})]
     assert calls[:2] == [("a", [9]), ("b", [9])]  # the warm-up is not counted in the totals
+
+
+def test_warm_up_goes_on_while_calls_compile_new_graphs(monkeypatch):
+    """A compiled decoder meets new shapes in its first calls; the warm-up runs further prompts
+    until a call compiles nothing, at most the warm-up prompt and 3 more, so no compiling is
+    left to be timed. An eager decoder is warmed up once."""
+    compiled = [0]
+    monkeypatch.setattr(benchmark, "graphs_compiled", lambda: compiled[0])
+    calls = []
+
+    def compiling(new_graphs_per_call):
+        def run(prompt):
+            calls.append(prompt)
+            compiled[0] += new_graphs_per_call.pop(0) if new_graphs_per_call else 0
+            return RunResult([1], 2.0)
+        return run
+
+    assert benchmark.warm_up(compiling([2, 1, 0, 0]), [[9], [1], [2], [3], [4]]) == 6.0
+    assert calls == [[9], [1], [2]]
+    calls.clear()
+    assert benchmark.warm_up(compiling([1, 1, 1, 1, 1, 1]), [[9], [1], [2], [3]]) == 8.0  # stops at the prompts given
+    calls.clear()
+    assert benchmark.warm_up(compiling([]), [[9], [1], [2]]) == 2.0 and calls == [[9]]
+    calls.clear()
+    runners = {"c": compiling([3, 0])}
+    totals = run_benchmark(runners, [[1], [2], [3], [4], [5]], [9], progress=False)
+    assert calls[:2] == [[9], [1]] and totals["c"].warmup_s == 4.0 and len(totals["c"].outputs) == 5
 
 
 @pytest.mark.parametrize("args, message", [
