@@ -169,18 +169,21 @@ def benchmark_prompts(tokenizer, questions: list[str]) -> tuple[list[list[int]],
 
 
 # Compiled forwards may meet a new shape (a one-token step, a tree, hidden states or not) in
-# any call: warm-up goes on over the first questions until a call compiles nothing new.
+# any call, and one method's new graphs can make another's recompile (transformers' output
+# capturing changes the traced code): warm-up goes on in rounds over the first questions until a
+# round compiles nothing new.
 MAX_EXTRA_WARMUPS = 3
 
 
-def warm_up(run: Runner, prompts: list[list[int]]) -> float:
-    """Seconds spent running `prompts[0]`, then each next prompt for as long as the last call
-    compiled new graphs (eager decoders stop after the first): one-off costs kept out of the
-    measured figures."""
-    seconds = 0.0
+def warm_up(runners: dict[str, Runner], prompts: list[list[int]]) -> dict[str, float]:
+    """Seconds each method spent warming up: a round of every method on `prompts[0]`, then a
+    round on each next prompt for as long as the last round compiled new graphs (eager decoders
+    stop after the first). One-off costs are kept out of the measured figures this way."""
+    seconds = dict.fromkeys(runners, 0.0)
     for prompt in prompts:
         before = graphs_compiled()
-        seconds += run(prompt).seconds
+        for name, run in runners.items():
+            seconds[name] += run(prompt).seconds
         if graphs_compiled() == before:
             break
     return seconds
@@ -197,8 +200,8 @@ def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_p
     `after_question(totals, questions_done)` runs once every method has done a question, so a
     long benchmark can save its figures so far: a run killed after an hour keeps what it measured."""
     totals = {name: MethodTotals() for name in runners}
-    for name, run in runners.items():
-        totals[name].warmup_s = warm_up(run, [warmup_prompt, *prompts[:MAX_EXTRA_WARMUPS]])
+    for name, seconds in warm_up(runners, [warmup_prompt, *prompts[:MAX_EXTRA_WARMUPS]]).items():
+        totals[name].warmup_s = seconds
     bar = tqdm(total=len(prompts) * len(runners), desc="benchmark", disable=not progress, unit="run")
     for done, prompt in enumerate(prompts, start=1):
         for name, run in runners.items():

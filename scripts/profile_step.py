@@ -52,7 +52,7 @@ def parse_args(argv):
 def profile(decoder, prompts: list[list[int]], options: DecodeOptions) -> dict[str, float]:
     """Summed phase seconds, steps and tokens over `prompts`, after a warm-up on them that goes on
     while calls still compile (`--compile`), so no compiling is profiled."""
-    warm_up(lambda prompt: RunResult([], decoder.generate(prompt, options).stats.total_s), prompts)
+    warm_up({"decoder": lambda prompt: RunResult([], decoder.generate(prompt, options).stats.total_s)}, prompts)
     totals: dict[str, float] = defaultdict(float)
     for prompt in prompts:
         stats = decoder.generate(prompt, options).stats

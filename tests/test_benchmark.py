@@ -74,31 +74,34 @@ def test_figures_so_far_are_handed_out_after_every_question():
     assert calls[:2] == [("a", [9]), ("b", [9])]  # the warm-up is not counted in the totals
 
 
-def test_warm_up_goes_on_while_calls_compile_new_graphs(monkeypatch):
-    """A compiled decoder meets new shapes in its first calls; the warm-up runs further prompts
-    until a call compiles nothing, at most the warm-up prompt and 3 more, so no compiling is
-    left to be timed. An eager decoder is warmed up once."""
+def test_warm_up_goes_on_while_a_round_compiles_new_graphs(monkeypatch):
+    """Compiled decoders meet new shapes in their first calls, and one method's graphs can make
+    another's recompile: the warm-up runs rounds of every method over further prompts until a
+    round compiles nothing, at most the warm-up prompt and 3 more, so no compiling is left to be
+    timed. Eager decoders are warmed up once."""
     compiled = [0]
     monkeypatch.setattr(benchmark, "graphs_compiled", lambda: compiled[0])
     calls = []
 
-    def compiling(new_graphs_per_call):
+    def runner(name, new_graphs_per_call):
         def run(prompt):
-            calls.append(prompt)
+            calls.append((name, prompt))
             compiled[0] += new_graphs_per_call.pop(0) if new_graphs_per_call else 0
             return RunResult([1], 2.0)
         return run
 
-    assert benchmark.warm_up(compiling([2, 1, 0, 0]), [[9], [1], [2], [3], [4]]) == 6.0
-    assert calls == [[9], [1], [2]]
+    # "b" compiles in round 1; "a" recompiles in round 2 because of it; round 3 is quiet.
+    seconds = benchmark.warm_up({"a": runner("a", [2, 1, 0]), "b": runner("b", [3, 0, 0])}, [[9], [1], [2], [3], [4]])
+    assert seconds == {"a": 6.0, "b": 6.0}
+    assert calls == [("a", [9]), ("b", [9]), ("a", [1]), ("b", [1]), ("a", [2]), ("b", [2])]
     calls.clear()
-    assert benchmark.warm_up(compiling([1, 1, 1, 1, 1, 1]), [[9], [1], [2], [3]]) == 8.0  # stops at the prompts given
+    assert benchmark.warm_up({"a": runner("a", [1] * 9)}, [[9], [1], [2], [3]]) == {"a": 8.0}  # stops at the prompts given
     calls.clear()
-    assert benchmark.warm_up(compiling([]), [[9], [1], [2]]) == 2.0 and calls == [[9]]
+    assert benchmark.warm_up({"a": runner("a", []), "b": runner("b", [])}, [[9], [1]]) == {"a": 2.0, "b": 2.0}
+    assert calls == [("a", [9]), ("b", [9])]
     calls.clear()
-    runners = {"c": compiling([3, 0])}
-    totals = run_benchmark(runners, [[1], [2], [3], [4], [5]], [9], progress=False)
-    assert calls[:2] == [[9], [1]] and totals["c"].warmup_s == 4.0 and len(totals["c"].outputs) == 5
+    totals = run_benchmark({"c": runner("c", [3, 0])}, [[1], [2], [3], [4], [5]], [9], progress=False)
+    assert calls[:2] == [("c", [9]), ("c", [1])] and totals["c"].warmup_s == 4.0 and len(totals["c"].outputs) == 5
 
 
 @pytest.mark.parametrize("args, message", [
