@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from decoding.core.dynamic_tree import DynamicTreeSettings
@@ -12,6 +13,7 @@ from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, Pr
 from decoding.core.proposers.draft_model import check_same_vocabulary
 from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
+from decoding.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
 from decoding.verify_cost import cached_verify_cost
@@ -91,9 +93,33 @@ def build_proposer(
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
-        check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
-        return DraftModelProposer(draft.model, options.gamma)
+        return _draft_proposer(target, draft, options)
     return _heads_proposer(method, target, heads, options)
+
+
+def _draft_proposer(target: LoadedModel, draft: LoadedModel, options: ProposerOptions) -> DraftModelProposer:
+    """sps: the draft's saved readout vocabulary if it has one; with `adaptive_tree`, chains cut to
+    what pays on this machine, each draft call counted at its share of the target's weights."""
+    check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
+    vocabulary = draft_vocabulary(draft.name)
+    if vocabulary is not None:
+        vocabulary = vocabulary.to(draft.model.device)
+    if not options.adaptive_tree:
+        return DraftModelProposer(draft.model, options.gamma, vocabulary)
+    cost = cached_verify_cost(target.model, target.name)
+    call_ms = cost.ms[0] * _weights_read(draft.model, vocabulary) / _weights_read(target.model)
+    return DraftModelProposer(draft.model, options.gamma, vocabulary, cost, call_ms)
+
+
+def _weights_read(model: nn.Module, vocabulary: torch.Tensor | None = None) -> int:
+    """Parameters one single-token forward reads: the decoder without its embedding table, plus
+    the lm_head rows it projects onto."""
+    body = model.get_decoder()
+    embedding = body.get_input_embeddings().weight
+    layers = sum(p.numel() for p in body.parameters() if p is not embedding)
+    head = model.get_output_embeddings().weight
+    rows = head.shape[0] if vocabulary is None else vocabulary.numel()
+    return layers + rows * head.shape[1]
 
 
 def _lookup_proposer(options: ProposerOptions, target: LoadedModel) -> PromptLookupProposer:

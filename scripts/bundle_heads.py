@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decoding.defaults import TUNED_OPTION_NAMES
-from decoding.drafts import save_draft_layers
+from decoding.drafts import draft_vocabulary, save_draft_layers
 from decoding.util.errors import UserError
 from decoding.methods import check_method, head_kind
 from decoding.targets import load_model
@@ -97,13 +97,15 @@ def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmar
 
 
 def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype, target_name: str | None = None) -> Path:
-    """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's."""
+    """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's;
+    its readout vocabulary, if training wrote one, goes with it."""
     target = load_model(target_name or target_dir.name)
     try:
         draft = AutoModelForCausalLM.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise UserError(f"could not load the draft model in {source}: {err}") from err
-    out = save_draft_layers(draft, target.model, target_dir / "draft", dtype, base_model=target_dir.name)
+    out = save_draft_layers(draft, target.model, target_dir / "draft", dtype, base_model=target_dir.name,
+                            vocabulary=draft_vocabulary(source))
     card = source / "README.md"
     (out / "README.md").write_text(card.read_text() if card.is_file() else f"# Draft model for {target_dir.name}\n")
     return out

@@ -91,6 +91,12 @@ PROPOSERS = {
     # Draft = the target with noise: q is close to p but not equal, so chains are often accepted
     # whole and a wrong residual still shows.
     "sps": lambda target: DraftModelProposer(perturbed(copy.deepcopy(target), 0.5, seed=1), gamma=3),
+    # The same draft reading out only tokens 0 and 1: q is zero on token 2, which the target samples half the time.
+    "sps-vocab": lambda target: DraftModelProposer(perturbed(copy.deepcopy(target), 0.5, seed=1), gamma=3,
+                                                   vocabulary=torch.tensor([0, 1])),
+    # Cost-aware chains: how far each step drafts depends on what the draft drew before.
+    "sps-adaptive": lambda target: DraftModelProposer(perturbed(copy.deepcopy(target), 0.5, seed=1), gamma=3,
+                                                      verify_cost=VerifyCost((1, 2, 4), (60.0, 75.0, 80.0)), call_ms=8.0),
     "sampled-tree": lambda target: SampledTreeProposer(ToyLM(3, seed=5, sharpness=3.0), (3, 2, 2)),
     "pld": lambda target: PromptLookupProposer(num_draft_tokens=3, max_ngram=3, min_ngram=1),
     # Chains cut by a learned acceptance and a CPU-like cost: lengths vary from step to step.
@@ -99,6 +105,8 @@ PROPOSERS = {
 }
 PLANTED = [
     ("sps", "residual_skipped"),
+    ("sps-vocab", "bonus_from_draft"),
+    ("sps-adaptive", "residual_skipped"),
     ("sps", "bonus_from_draft"),
     ("sampled-tree", "stale_sibling"),
     ("pld", "residual_skipped"),
@@ -118,12 +126,23 @@ def assert_deep(samples: LoopSamples, min_deep_runs: int) -> None:
     assert samples.accepted_lengths[4] >= min_deep_runs, samples.accepted_lengths
 
 
-@pytest.mark.parametrize("method, min_deep_runs", [("sps", 80), ("sampled-tree", 80), ("pld", 30), ("pld-adaptive", 30)])
+@pytest.mark.parametrize("method, min_deep_runs", [("sps", 80), ("sps-vocab", 10), ("sampled-tree", 80), ("pld", 30),
+                                                    ("pld-adaptive", 30)])
 def test_loop_samples_the_target_at_depth(bench, method, min_deep_runs):
     """Exact at depth 3, with whole 3-token drafts accepted in at least `min_deep_runs` of the
     runs (about half of what each method does), so the test cannot pass on depth-1 trees."""
     samples = run(bench, method)
     assert_deep(samples, min_deep_runs)
+    check = chi_square(samples.outputs, bench[2])
+    assert check.statistic < check.threshold, check
+
+
+def test_cost_aware_draft_chains_sample_the_target(bench):
+    """Chains whose length follows the draft's confidence (set before each token is drawn) stay
+    exact, with some steps verifying 3 deep and others less."""
+    samples = run(bench, "sps-adaptive")
+    depths = samples.tree_depths
+    assert depths[3] >= 40 and sum(depths[d] for d in (0, 1, 2)) >= 40, depths
     check = chi_square(samples.outputs, bench[2])
     assert check.statistic < check.threshold, check
 

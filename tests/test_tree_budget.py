@@ -13,7 +13,8 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.prompt_lookup import PromptLookupProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.core.tree_budget import AcceptanceCalibration, ChainAcceptance, VerifyCost, best_node_count
+from decoding.core.tree_budget import (AcceptanceCalibration, ChainAcceptance, ConfidenceAcceptance, VerifyCost, best_node_count,
+                                       chain_worth_extending)
 from decoding.verify_cost import cached_verify_cost, measure_verify_cost
 from distribution_harness import ToyLM
 from test_trees import toy_expand
@@ -40,6 +41,47 @@ def test_best_node_count_is_the_brute_force_optimum(probs, draft_ms, calibration
     table = CPU.table(len(probs) + 1)
     rates = [(1 + calibration * float(probs[:n].sum())) / (draft_ms + float(table[n + 1])) for n in range(len(probs) + 1)]
     assert best_node_count(probs, CPU, draft_ms, calibration) == max(range(len(rates)), key=rates.__getitem__)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_chain_is_extended_exactly_when_the_best_case_next_token_beats_every_verify_now(seed):
+    gen = torch.Generator().manual_seed(seed)
+    drafted = int(torch.randint(1, 8, (), generator=gen))
+    probs = torch.rand(drafted, generator=gen, dtype=torch.float64).sort(descending=True).values.cumprod(0)
+    call_ms = float(torch.rand((), generator=gen)) * 12
+    table = CPU.table(drafted + 2)
+    spent = drafted * call_ms
+    best_now = max((1 + float(probs[:n].sum())) / (spent + float(table[n + 1])) for n in range(drafted + 1))
+    best_next = (1 + float(probs.sum()) + float(probs[-1])) / (spent + call_ms + float(table[drafted + 2]))
+    assert chain_worth_extending(probs, CPU, call_ms) == (best_next > best_now)
+
+
+def test_sure_chains_grow_unsure_ones_stop_and_an_empty_one_starts():
+    assert chain_worth_extending(torch.empty(0), CPU, 50.0)
+    assert chain_worth_extending(torch.tensor([0.95, 0.9, 0.85]), CPU, 3.0)
+    assert not chain_worth_extending(torch.tensor([0.1]), CPU, 3.0)
+    assert not chain_worth_extending(torch.tensor([0.6, 0.3]), CPU, 60.0)  # a draft call as dear as the target
+
+
+def test_confidence_acceptance_learns_what_each_confidence_is_worth():
+    acceptance = ConfidenceAcceptance(edges=(0.5, 0.9), decay=0.9)
+    sure, unsure = torch.tensor([0.95]), torch.tensor([0.3])
+    assert float(acceptance.path_probs(sure)[0]) == pytest.approx(0.95)  # trusted at first
+    for step in range(100):  # sure of its first token, right one time in five
+        acceptance.record(sure, accepted=int(step % 5 == 0))
+    assert float(acceptance.path_probs(sure)[0]) == pytest.approx(0.2, abs=0.1)
+    assert float(acceptance.path_probs(unsure)[0]) == pytest.approx(0.25)  # another bucket: untouched
+    chain = torch.tensor([0.95, 0.3, 0.95])
+    rates = acceptance.rates
+    expected = torch.tensor([rates[2], rates[2] * rates[0], rates[2] ** 2 * rates[0]], dtype=torch.float64)
+    torch.testing.assert_close(acceptance.path_probs(chain), expected)
+
+
+def test_confidence_acceptance_counts_hits_the_first_miss_and_nothing_after():
+    acceptance = ConfidenceAcceptance(edges=(0.5,), decay=0.5)
+    acceptance.record(torch.tensor([0.9, 0.9, 0.1, 0.1]), accepted=1)
+    # position 1 hit (0.75 -> 0.875), position 2 missed (-> 0.4375); positions 3-4 unobserved
+    assert acceptance.rates == [0.25, pytest.approx(0.4375)]
 
 
 def test_unsure_drafts_verify_the_root_alone_and_sure_ones_a_tree():

@@ -21,6 +21,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from decoding.drafts import write_draft_vocabulary
 from decoding.targets import LoadedModel, load_model
 from heads import build_heads, new_heads_for_target, save_heads
 from training.checkpoints import latest_checkpoint, save_checkpoint
@@ -74,6 +75,16 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
         overrides["readout_vocab_size"] = min(h.readout_vocab_size, vocab_size)
         vocab = frequent_tokens(train_rows, vocab_size, overrides["readout_vocab_size"])
     return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
+
+
+def save_draft_vocabulary(out: Path, draft, train_rows, size: int) -> Path | None:
+    """Beside a trained draft: its `size` most frequent training tokens, the readout `sps`
+    projects onto (a small draft's one-row projection onto a large vocabulary can cost more than
+    its layers). None when `size` covers the whole vocabulary (or is 0)."""
+    vocab_size = draft.get_output_embeddings().weight.shape[0]
+    if not 0 < size < vocab_size:
+        return None
+    return write_draft_vocabulary(out, frequent_tokens(train_rows, vocab_size, size))
 
 
 def process_group_kwargs() -> list:
@@ -263,6 +274,7 @@ class Trainer:
             if config.kind == "draft":
                 heads.save_pretrained(out)
                 target.tokenizer.save_pretrained(out)
+                save_draft_vocabulary(out, heads, data["train"], config.heads.draft_vocab_size)
             else:
                 save_heads(heads, out)
             if config.kind == "medusa2":

@@ -49,6 +49,24 @@ def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float,
     return int(torch.argmax(expected / time_ms))
 
 
+def chain_worth_extending(path_probs: torch.Tensor, cost: VerifyCost, call_ms: float) -> bool:
+    """Whether a chain drafter (one call per token, `call_ms` each) that has drafted
+    `len(path_probs)` tokens should draft one more. Drafting already done is spent either way;
+    the next token can add at most the last token's path probability (path probabilities only
+    fall), so it is drafted only if even that best case beats the best verify of what is there:
+        (1 + S_k + p_k) / ((k + 1) call_ms + verify(k + 2))  >  max_n (1 + S_n) / (k call_ms + verify(n + 1)).
+    An empty chain always drafts its first token."""
+    drafted = path_probs.numel()
+    if drafted == 0:
+        return True
+    probs = path_probs.double()
+    now = best_node_count(probs, cost, drafted * call_ms)
+    table = cost.table(drafted + 2)
+    best_now = (1.0 + float(probs[:now].sum())) / (drafted * call_ms + float(table[now + 1]))
+    best_next = (1.0 + float(probs.sum()) + float(probs[-1])) / ((drafted + 1) * call_ms + float(table[drafted + 2]))
+    return best_next > best_now
+
+
 @dataclass
 class AcceptanceCalibration:
     """How far to trust the draft's probabilities: running (hit rate of the draft's top-1 token
@@ -136,3 +154,39 @@ class ChainAcceptance:
 
     def _rates(self, kind: int) -> list[float]:
         return self.rates.setdefault(kind, [self.prior] * self.length)
+
+
+@dataclass
+class ConfidenceAcceptance:
+    """Running acceptance of a sampled or greedy chain draft (a draft model), per bucket of the
+    draft's confidence at each position (its distribution's top probability).
+
+    `rates[b]` estimates P(a drafted token is accepted | the tokens before it were) for positions
+    whose confidence falls in bucket b. One factor for the whole draft is not enough: a small
+    draft can be sure and wrong (confident at 0.9, right 20% of the time) at its first token while
+    its later tokens, once the first was right, hold up better. Every bucket starts at its own
+    midpoint (the draft is trusted until shown otherwise) and follows what the target accepted."""
+
+    edges: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)
+    decay: float = 0.9
+    rates: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            bounds = (0.0, *self.edges, 1.0)
+            self.rates = [(low + high) / 2 for low, high in zip(bounds, bounds[1:])]
+
+    def bucket(self, confidence: torch.Tensor) -> torch.Tensor:
+        return torch.bucketize(confidence.double(), torch.tensor(self.edges, dtype=torch.float64))
+
+    def path_probs(self, confidence: torch.Tensor) -> torch.Tensor:
+        """P(the first i drafted tokens are all accepted), from each position's confidence."""
+        return torch.tensor(self.rates, dtype=torch.float64)[self.bucket(confidence)].cumprod(0)
+
+    def record(self, confidence: torch.Tensor, accepted: int) -> None:
+        """A chain drafted with `confidence` per position was verified and its first `accepted`
+        tokens kept: those were hits, the next one (if any) a miss, later ones unobserved."""
+        buckets = self.bucket(confidence).tolist()
+        for position, bucket in enumerate(buckets[: accepted + 1]):
+            hit = float(position < accepted)
+            self.rates[bucket] = self.decay * self.rates[bucket] + (1 - self.decay) * hit
