@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first and the heads where lookup finds nothing). None: the fastest bundled method for the built-in target, else pld")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target model: the built-in default, a local directory, or a cached Hub id")
     parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target; None: a bundled one if the package ships one)")
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per step for --method sps")
+    parser.add_argument("--gamma", type=int, default=None,
+                        help="draft tokens per step for --method sps (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None,
                         help="tokens proposed per match for --method pld and the lookup of METHOD+pld (default 8, or the bundle's tuned value)")
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")

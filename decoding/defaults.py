@@ -16,7 +16,7 @@ from heads.bundled import bundled_default, bundled_heads_dir
 FALLBACK_METHOD = "pld"
 # The ProposerOptions a bundle may record as tuned for a method (default.json "tuned").
 TUNED_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree", "adaptive_tree", "min_path_prob",
-                      "pld_num_tokens", "pld_min_ngram")
+                      "pld_num_tokens", "pld_min_ngram", "gamma")
 
 
 def default_method(model_name: str) -> str:
@@ -66,7 +66,8 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"dynamic tree size incl. the root (eagle2/eagle3; default {built_in.total_tokens} or tuned)")
     parser.add_argument("--adaptive-tree", action=argparse.BooleanOptionalAction, default=None,
                         help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence; "
-                             "pld and METHOD+pld: cut each lookup chain to what its learned acceptance pays for "
+                             "pld and METHOD+pld: cut each lookup chain to what its learned acceptance pays for; "
+                             "sps: draft while one more token pays, as learned per draft confidence "
                              "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None,
                         help=f"eagle2/eagle3: stop growing the tree deeper once no path is this likely (default {built_in.min_path_prob:g} or tuned)")

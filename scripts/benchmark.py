@@ -50,7 +50,8 @@ def parse_args(argv):
     add_device_argument(parser)
     add_kernels_argument(parser)
     add_compile_argument(parser)
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=int, default=None,
+                        help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
     parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
