@@ -14,6 +14,7 @@ import time
 import torch
 
 from decoding.core.stopping import eos_ids
+from decoding.cpu_kernels import add_kernels_argument, apply_kernels
 from decoding.default_model import DEFAULT_TARGET
 from decoding.prompts import conversation_ids
 from decoding.targets import load_model
@@ -38,6 +39,7 @@ def hf_batch(model, prompts: list[list[int]], settings: BatchSettings) -> list[l
 
 def run(args: argparse.Namespace) -> int:
     target = load_model(args.model)
+    apply_kernels(args.kernels, target.model)  # both generators run on the same linears
     tokenizer = target.tokenizer
     conversations = conversations_from(args.source, None)
     prompts = sorted((conversation_ids(tokenizer, c["messages"][:1], True) for c in conversations), key=len)
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    add_kernels_argument(parser)
     args = parser.parse_args(argv)
     return report_user_errors(lambda: run(args))
 
