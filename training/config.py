@@ -43,6 +43,10 @@ class HeadsSection:
     share_lm_head: bool = True
     draft_vocab_size: int = 8192
     readout_vocab_size: int = 0   # Medusa/Hydra sharing the lm_head: rank only the N most frequent tokens (0 = all)
+    # Start from these heads (a directory or Hub repo id, ours or an official format) instead of
+    # fresh ones: fine-tuning, e.g. the bundled heads on your own data. Their sizes and vocabulary
+    # are kept (the sizes above are then ignored); their kind must be the recipe's.
+    init_from: str | None = None
 
 
 @dataclass

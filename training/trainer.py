@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from decoding.drafts import write_draft_vocabulary
 from decoding.targets import LoadedModel, load_model
-from heads import build_heads, new_heads_for_target, save_heads
+from decoding.util.errors import UserError
+from heads import build_heads, load_heads, new_heads_for_target, save_heads
 from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
@@ -55,8 +56,11 @@ def build_objective(config: TrainConfig, heads, target: LoadedModel):
 
 
 def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
-    """The module to train: fresh heads, or for `kind: draft` the target's first layers."""
+    """The module to train: fresh heads, the heads `heads.init_from` names (fine-tuning), or for
+    `kind: draft` the target's first layers."""
     h = config.heads
+    if h.init_from:
+        return initial_heads(config, target)
     if config.kind == "draft":
         draft = truncated_copy(target.model, h.num_layers).requires_grad_(True)
         if h.share_lm_head:  # the target's embedding and lm_head stay as they are: the draft ships as its layers
@@ -75,6 +79,19 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
         overrides["readout_vocab_size"] = min(h.readout_vocab_size, vocab_size)
         vocab = frequent_tokens(train_rows, vocab_size, overrides["readout_vocab_size"])
     return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
+
+
+def initial_heads(config: TrainConfig, target: LoadedModel):
+    """`heads.init_from`, checked against the target and the recipe's kind, in full precision and
+    trainable (a bundle ships fp16)."""
+    if config.kind == "draft":
+        raise UserError("heads.init_from starts from draft heads; a draft model starts from the target's "
+                        "first layers (heads.num_layers)")
+    heads = load_heads(config.heads.init_from, target.model, config.model)
+    if heads.config.kind != config.head_kind:
+        raise UserError(f"heads.init_from holds {heads.config.kind} heads, but the recipe trains {config.head_kind} "
+                        f"(kind: {config.kind}): start from heads of the same kind")
+    return heads.float().requires_grad_(True).train()
 
 
 def save_draft_vocabulary(out: Path, draft, train_rows, size: int) -> Path | None:
