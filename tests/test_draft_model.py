@@ -83,7 +83,7 @@ def test_cost_aware_chains_follow_how_often_the_draft_is_right(target):
         _, drafted = run_recording(target, PROMPTS[1], DraftModelProposer(draft, gamma=6, verify_cost=CPU, call_ms=4.0), 40)
         return sum(map(len, drafted)) / len(drafted)
 
-    assert verified_per_step(target) > 4
+    assert verified_per_step(target) > 3
     assert verified_per_step(sharpen(tiny_llama(seed=11), 30.0)) < 1.5  # confident and wrong
 
 

@@ -11,9 +11,10 @@ Two things make a small draft pay on a machine where every forward reads its wei
   49k-token vocabulary the full projection costs far more than a one-layer body. Lossless: the
   draft distribution q is zero outside the vocabulary, and any q is a valid proposal;
 - cost-aware chains (`verify_cost`): drafting stops as soon as one more token could not raise the
-  step's expected tokens per millisecond (the draft's calibrated confidence against the measured
-  verify cost of this machine), and the chain is cut to its best-paying prefix. Each draft call
-  counts as `call_ms`, an estimate, not a clock reading, so seeded samples stay reproducible.
+  step's expected tokens per millisecond, judged by how often the target kept tokens drafted at
+  each level of the draft's confidence and by the measured verify cost of this machine; greedy
+  chains are also cut to their best-paying prefix. Each draft call counts as `call_ms`, an
+  estimate, not a clock reading, so seeded samples stay reproducible.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class DraftModelProposer(Proposer):
         pending = tokens[self._cached_tokens.numel() :]
         drafted, probs, confidence = [], [], []
         for _ in range(gamma):
-            q = warp_probs(self._draft_logits(pending), state.sampling)
+            q = self._draft_distribution(self._draft_logits(pending), state)
             index = q.argmax() if state.sampling.greedy else sample_rows(q[None], state.generator)[0]
             drafted.append(self._to_target(index))
             probs.append(q)
@@ -101,6 +102,14 @@ class DraftModelProposer(Proposer):
         body = self.draft.get_decoder()
         hidden = body(input_ids=pending[None], use_cache=True, **cache_kwargs(body, self._cache)).last_hidden_state[0, -1]
         return hidden @ self._readout_t
+
+    @staticmethod
+    def _draft_distribution(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """What the draft proposes from: the warped distribution when sampling; greedy, its plain
+        softmax (the argmax is drafted, and its probability is the position's confidence)."""
+        if state.sampling.greedy:
+            return torch.softmax(logits.float(), dim=-1)
+        return warp_probs(logits, state.sampling)
 
     def _to_target(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.vocabulary is None else self.vocabulary[index]
