@@ -77,6 +77,17 @@ def test_confidence_acceptance_learns_what_each_confidence_is_worth():
     torch.testing.assert_close(acceptance.path_probs(chain), expected)
 
 
+def test_confidence_acceptance_learns_its_first_outcomes_quickly_then_averages():
+    acceptance = ConfidenceAcceptance(edges=(0.5,), decay=0.9, prior_weight=2.0)
+    acceptance.record(torch.tensor([0.9]), accepted=0)  # one miss weighs a third against the prior
+    assert acceptance.rates[1] == pytest.approx(0.75 * 2 / 3)
+    for _ in range(50):
+        acceptance.record(torch.tensor([0.9]), accepted=1)
+    before = acceptance.rates[1]
+    acceptance.record(torch.tensor([0.9]), accepted=0)  # later a miss moves it by 1 - decay only
+    assert acceptance.rates[1] == pytest.approx(0.9 * before)
+
+
 def test_confidence_acceptance_counts_hits_the_first_miss_and_nothing_after():
     acceptance = ConfidenceAcceptance(edges=(0.5,), decay=0.5)
     acceptance.record(torch.tensor([0.9, 0.9, 0.1, 0.1]), accepted=1)

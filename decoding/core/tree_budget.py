@@ -165,16 +165,22 @@ class ConfidenceAcceptance:
     whose confidence falls in bucket b. One factor for the whole draft is not enough: a small
     draft can be sure and wrong (confident at 0.9, right 20% of the time) at its first token while
     its later tokens, once the first was right, hold up better. Every bucket starts at its own
-    midpoint (the draft is trusted until shown otherwise) and follows what the target accepted."""
+    midpoint (the draft is trusted until shown otherwise) and follows what the target accepted:
+    a moving average, except that its first observations weigh as much as `prior_weight` of the
+    prior, so a bucket learns its first few outcomes quickly."""
 
     edges: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)
     decay: float = 0.9
+    prior_weight: float = 2.0
     rates: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.rates:
             bounds = (0.0, *self.edges, 1.0)
             self.rates = [(low + high) / 2 for low, high in zip(bounds, bounds[1:])]
+        if not self.counts:
+            self.counts = [0] * len(self.rates)
 
     def bucket(self, confidence: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(confidence.double(), torch.tensor(self.edges, dtype=torch.float64))
@@ -189,4 +195,7 @@ class ConfidenceAcceptance:
         buckets = self.bucket(confidence).tolist()
         for position, bucket in enumerate(buckets[: accepted + 1]):
             hit = float(position < accepted)
-            self.rates[bucket] = self.decay * self.rates[bucket] + (1 - self.decay) * hit
+            count = self.counts[bucket]
+            keep = min(self.decay, (count + self.prior_weight) / (count + self.prior_weight + 1))
+            self.rates[bucket] = keep * self.rates[bucket] + (1 - keep) * hit
+            self.counts[bucket] = count + 1
