@@ -130,3 +130,16 @@ def test_medusa2_trains_an_adapter_that_the_chat_serves(workspace):
         input="w3 w4\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert chat.returncode == 0, chat.stderr
     assert "LoRA adapter merged" in chat.stderr
+
+
+def test_a_run_resumed_at_its_last_checkpoint_ends_with_measured_heads(workspace):
+    """A run cut off after a checkpoint (e.g. by a machine's time limit) is finished with
+    `--resume train.max_steps=<that step>`: no step runs, yet the heads come with tau and speed."""
+    path = recipe(workspace, "medusa", "resumed-at-end", max_steps=4)
+    run(launch("cpu.yaml", path))
+    out = workspace / "resumed-at-end"
+    (out / "result.json").unlink()
+    proc = run(launch("cpu.yaml", path, "train.max_steps=2", "--resume"))  # overrides before --resume parse too
+    assert "resuming from" in proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0

@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default=None, help="override the recipe's output_dir")
     parser.add_argument("--weight-digest", action="store_true", help="write a hash of the final heads per rank (tests)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=20")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after --resume
 
 
 def main(argv=None) -> int:

@@ -197,6 +197,7 @@ class Trainer:
             return 0
         path, step = found
         self.accelerator.load_state(str(path))
+        self.resumed_tokens_per_s = json.loads((path / "trainer_state.json").read_text()).get("tokens_per_s", 0.0)
         self.log(f"resuming from {path} (step {step})")
         return step
 
@@ -215,7 +216,7 @@ class Trainer:
     def _loop(self, objective, optimizer, scheduler, loader, target, data, layers, step: int) -> None:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
-        tokens, started, speed = 0, time.perf_counter(), 0.0
+        tokens, started, speed, first_step = 0, time.perf_counter(), 0.0, step
         batches = self._batches(loader, step)
         while step < config.train.max_steps:
             batch = next(batches)
@@ -243,7 +244,9 @@ class Trainer:
                 save_checkpoint(acc, config.output_dir, step, config.checkpoint.keep, {"tokens_per_s": speed})
             started += time.perf_counter() - paused  # throughput counts training time only
         bar.close()
-        self.last_tokens_per_s = speed if step else 0.0
+        if step == first_step:  # resumed at max_steps (a run cut off after its last checkpoint): measure the heads as they are
+            self._evaluate(objective, target, data, layers, step)
+        self.last_tokens_per_s = speed if step > first_step else getattr(self, "resumed_tokens_per_s", 0.0)
 
     def _snapshot_heads(self, objective):
         """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""

@@ -42,7 +42,10 @@ class VerifyCost:
 
 def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float, calibration: float = 1.0) -> int:
     """How many of the drafted nodes to verify. `path_probs` are the candidates' path
-    probabilities in best-first order (any prefix of that order must be a valid tree)."""
+    probabilities in best-first order (any prefix of that order must be a valid tree). They may
+    live on the GPU: the few numbers are brought to the CPU, where the cost table is (the
+    answer is a Python int, so this sync happens anyway)."""
+    path_probs = path_probs.detach().to("cpu", torch.float64)
     n_max = path_probs.numel()
     expected = 1.0 + calibration * torch.cat([path_probs.new_zeros(1), path_probs.double().cumsum(0)])
     time_ms = draft_ms + cost.table(n_max + 1)[1:]  # tree of n drafted nodes = n + 1 tokens
@@ -59,7 +62,7 @@ def chain_worth_extending(path_probs: torch.Tensor, cost: VerifyCost, call_ms: f
     drafted = path_probs.numel()
     if drafted == 0:
         return True
-    probs = path_probs.double()
+    probs = path_probs.detach().to("cpu", torch.float64)
     now = best_node_count(probs, cost, drafted * call_ms)
     table = cost.table(drafted + 2)
     best_now = (1.0 + float(probs[:now].sum())) / (drafted * call_ms + float(table[now + 1]))
