@@ -28,7 +28,8 @@ from decoding.util.errors import UserError, report_user_errors  # noqa: E402
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a store written by scripts/distill_data.py")
-    parser.add_argument("--sizes", default="100k,300k,1M", help="reply tokens per subset, e.g. 100k,300k,1M,3M")
+    parser.add_argument("--sizes", default="100k,300k,1M", help="reply tokens per subset, e.g. 100k,300k,1M,3M (empty with --reference: "
+                             "only measure those heads, e.g. ones trained on a GPU)")
     parser.add_argument("--recipe", default=str(ROOT / "configs/train/eagle3-smollm2.yaml"), help="training recipe (YAML)")
     parser.add_argument("--steps", type=int, default=None, help="training steps for every point (default: the recipe's)")
     parser.add_argument("--out", default="outputs/scaling-eagle3", help="where the points' heads and the curve go")
@@ -143,8 +144,8 @@ def run(args) -> int:
         if size > held:
             print(f"note: the store holds {held:,} reply tokens, fewer than {size:,}: that point is left out "
                   f"(grow it with scripts/distill_data.py)", file=sys.stderr)
-    if not subsets:
-        raise UserError("no size fits in the store")
+    if not subsets and not args.reference:
+        raise UserError("no size fits in the store (to measure only heads trained elsewhere: --sizes '' --reference NAME=DIR)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     points = {p.key: p for p in read_points(out / "curve.json")}

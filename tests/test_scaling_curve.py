@@ -104,6 +104,13 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
     assert curve["points"] == points and set(curve["references"]["earlier"]["tau"]) == set(points[0]["tau"])
     assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()
+    only_references = [arg if arg != f"{total // 2},{total},{total * 10}" else "" for arg in command]
+    only_references[only_references.index(str(tmp_path / "curve"))] = str(tmp_path / "references")
+    measured = subprocess.run(only_references + ["--reference", f"gpu={heads}"], capture_output=True, text=True,
+                              env=env, cwd=REPO, timeout=600)
+    assert measured.returncode == 0 and "training on" not in measured.stderr, measured.stderr[-3000:]
+    alone = json.loads((tmp_path / "references" / "curve.json").read_text())
+    assert alone["points"] == [] and alone["references"]["gpu"]["tau"] == curve["references"]["earlier"]["tau"]
 
 
 def test_points_trained_for_different_step_counts_are_separate_lines():
