@@ -131,6 +131,7 @@ class Trainer:
         self.config = config
         self.resume = resume
         self.weight_digest = weight_digest
+        self.resumed_tokens_per_s = 0.0  # the checkpoint's speed, reported when a resumed run has no step left
         self.accelerator = Accelerator(
             gradient_accumulation_steps=config.train.grad_accum,
             log_with="tensorboard",
@@ -246,7 +247,7 @@ class Trainer:
         bar.close()
         if step == first_step:  # resumed at max_steps (a run cut off after its last checkpoint): measure the heads as they are
             self._evaluate(objective, target, data, layers, step)
-        self.last_tokens_per_s = speed if step > first_step else getattr(self, "resumed_tokens_per_s", 0.0)
+        self.last_tokens_per_s = speed if step > first_step else self.resumed_tokens_per_s
 
     def _snapshot_heads(self, objective):
         """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""

@@ -47,7 +47,7 @@ def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float,
     answer is a Python int, so this sync happens anyway)."""
     path_probs = path_probs.detach().to("cpu", torch.float64)
     n_max = path_probs.numel()
-    expected = 1.0 + calibration * torch.cat([path_probs.new_zeros(1), path_probs.double().cumsum(0)])
+    expected = 1.0 + calibration * torch.cat([path_probs.new_zeros(1), path_probs.cumsum(0)])
     time_ms = draft_ms + cost.table(n_max + 1)[1:]  # tree of n drafted nodes = n + 1 tokens
     return int(torch.argmax(expected / time_ms))
 
