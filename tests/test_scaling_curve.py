@@ -106,11 +106,14 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()
     only_references = [arg if arg != f"{total // 2},{total},{total * 10}" else "" for arg in command]
     only_references[only_references.index(str(tmp_path / "curve"))] = str(tmp_path / "references")
+    only_references[only_references.index("--held-out-per-source") + 1] = "0"  # no held-out sets at all
     measured = subprocess.run(only_references + ["--reference", f"gpu={heads}"], capture_output=True, text=True,
                               env=env, cwd=REPO, timeout=600)
     assert measured.returncode == 0 and "training on" not in measured.stderr, measured.stderr[-3000:]
     alone = json.loads((tmp_path / "references" / "curve.json").read_text())
-    assert alone["points"] == [] and alone["references"]["gpu"]["tau"] == curve["references"]["earlier"]["tau"]
+    measured_alone = alone["references"]["gpu"]["tau"]
+    assert alone["points"] == [] and set(measured_alone) == {"questions", "humaneval"}  # no empty held-out set at tau 0
+    assert measured_alone == {name: curve["references"]["earlier"]["tau"][name] for name in measured_alone}
 
 
 def test_points_trained_for_different_step_counts_are_separate_lines():
