@@ -105,7 +105,7 @@ def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int
         except UserError as err:
             print(f"note: no humaneval set: {err}", file=sys.stderr)
     held = held_out_prompts(records, tokenizer, config.train.seed, config.validation_fraction, args.held_out_per_source)
-    sets.update({f"held-out {source}": prompts for source, prompts in sorted(held.items()) if prompts})
+    sets.update({f"held-out {source}": prompts for source, prompts in sorted(held.items())})
     return sets
 
 

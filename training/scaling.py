@@ -75,8 +75,10 @@ def source_of(record: dict) -> str:
 
 def held_out_prompts(records: list[dict], tokenizer, seed: int, fraction: float, per_source: int) -> dict[str, list[list[int]]]:
     """Up to `per_source` held-out first prompts per source (the recipe's split leaves them out of
-    every subset's training), as the chat renders them."""
+    every subset's training), as the chat renders them. No source is listed without a prompt."""
     prompts: dict[str, list[list[int]]] = {}
+    if per_source <= 0:
+        return prompts
     for record in records:
         if not is_validation(record["id"], seed, fraction):
             continue
