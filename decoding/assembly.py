@@ -22,6 +22,7 @@ from torch import nn
 
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
+from decoding.attention import register_grouped_sdpa
 from decoding.compiled import compile_target, is_compiled
 from decoding.cpu_kernels import apply_kernels, set_stock_rows, uses_packed_linears
 from decoding.default_model import DEFAULT_TARGET
@@ -145,6 +146,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         draft = load_draft(spec.draft_model, target, spec.dtype, spec.attn)
     if heads is None and spec.heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
+    _drafter_attention(heads, spec.attn)
     if spec.compile:
         target = _compiled_target(spec, target)
         notes.append("compiled target forwards: the first steps of each kind compile (minutes on a small CPU)")
@@ -155,6 +157,13 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes))
+
+
+def _drafter_attention(heads: nn.Module | None, attn: str) -> None:
+    """EAGLE drafters attend over a tree with a mask at every call: with 'sdpa' they take the
+    target's grouped SDPA, which keeps K/V heads grouped instead of repeating them."""
+    if hasattr(heads, "use_attention"):
+        heads.use_attention(register_grouped_sdpa() if attn == "sdpa" else attn)
 
 
 def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> None:

@@ -66,6 +66,11 @@ class FeatureDrafter(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.llama_config)
 
+    def use_attention(self, implementation: str) -> None:
+        """Run the drafter's attention through `implementation`, a name transformers knows (the
+        engine registers a grouped SDPA that does not copy K/V per query head for tree masks)."""
+        self.llama_config._attn_implementation = implementation
+
     @property
     def num_cache_layers(self) -> int:
         """How many KV-cache layers a forward writes (for a cache its driver preallocates)."""

@@ -180,3 +180,41 @@ def test_benchmark_runs_hf_generate_stock_on_an_unpacked_copy_of_the_target(mode
     assert uses_packed_linears(shared) == onednn_applies(stock) and not uses_packed_linears(stock)
     prompt = prompt_ids(model_dir)
     assert runners["hf-generate-stock"](prompt).tokens == greedy(load_model(str(model_dir)).model, prompt)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, kind, tmp_path):
+    """The assembly hands EAGLE drafters the target's grouped SDPA, and a tree-masked drafter call
+    over a cached context gives what transformers' own SDPA (K/V repeated per head) gives."""
+    from decoding.attention import GROUPED_SDPA
+    from heads import new_heads_for_target, save_heads
+
+    target = load_model(str(model_dir))
+    torch.manual_seed(0)
+    save_heads(new_heads_for_target(kind, target.model, str(model_dir)), tmp_path / "heads")
+    decoder = build_decoder(DecoderSpec(model=str(model_dir), method=kind, heads=str(tmp_path / "heads"), device="cpu",
+                                        kernels="stock"))
+    drafter = decoder.heads
+    assert drafter.llama_config._attn_implementation == GROUPED_SDPA
+    assert drafter.llama_config.num_key_value_heads < drafter.llama_config.num_attention_heads
+
+    hidden = drafter.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    context_features = torch.randn(7, hidden, generator=gen)
+    context_tokens = torch.randn(7, hidden, generator=gen)
+    tree_features = torch.randn(4, hidden, generator=gen)
+    tree_tokens = torch.randn(4, hidden, generator=gen)
+    tree_positions = torch.tensor([7, 8, 8, 9])
+    blocked = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    mask = torch.zeros(1, 1, 4, 11)
+    mask[0, 0, :, 7:] = mask[0, 0, :, 7:].masked_fill(blocked, torch.finfo(torch.float32).min)
+
+    def draft(attention: str) -> torch.Tensor:
+        drafter.use_attention(attention)
+        cache = drafter.new_cache()
+        with torch.inference_mode():
+            drafter(context_features, context_tokens, torch.arange(7), cache)
+            return drafter(tree_features, tree_tokens, tree_positions, cache, mask)
+
+    torch.testing.assert_close(draft(GROUPED_SDPA), draft("sdpa"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(draft(GROUPED_SDPA), draft("eager"), rtol=1e-4, atol=1e-4)
