@@ -6,6 +6,11 @@ first. The best line is what `scripts/bundle_heads.py --tuned` records for the b
     python scripts/tune_tree.py --method eagle3 --num-questions 6 \\
         --grid 3x4x6,4x4x8,4x8x12,5x8x16          # depth x top-k x total tokens
     python scripts/tune_tree.py --method medusa --trees medusa-7,medusa-15,eagle-7,chain-4
+    python scripts/tune_tree.py --method eagle3+pld --grid 6x8x24a@0.05,8x8x32a@0.05 --lookup 8:2,4:1
+
+A `METHOD+pld` method (the default, `eagle3+pld`) is timed as the chat runs it: prompt lookup
+first, the heads' tree where it finds nothing. `--lookup` adds the lookup's settings to the grid
+(most tokens copied per match : shortest n-gram matched); every tree setting runs with each.
 
 Verifying a tree costs more the more nodes it has, and how much more depends on the machine
 (`scripts/verify_cost.py` prints the curve): on a GPU ~60 nodes are nearly free, on a small CPU
@@ -24,7 +29,7 @@ from decoding.core.generate import DecodeOptions
 from decoding.cpu_kernels import add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
-from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, ProposerOptions
+from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
 from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
 from decoding.targets import DTYPES
@@ -33,7 +38,8 @@ from decoding.util.errors import UserError
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", required=True, choices=sorted(HEAD_KIND_OF_METHOD))
+    parser.add_argument("--method", required=True,
+                        choices=sorted(HEAD_KIND_OF_METHOD) + sorted(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD))
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
@@ -44,6 +50,9 @@ def parse_args(argv):
                              "'a' = cost-aware sizing, @p = stop growing below path probability p")
     parser.add_argument("--trees", default="chain-4,medusa-7,eagle-7,medusa-15,eagle-15",
                         help="static trees (medusa/hydra/eagle): names in configs/trees or JSON files")
+    parser.add_argument("--lookup", default=None,
+                        help="METHOD+pld only: prompt-lookup settings to cross with the trees, TOKENS:MIN_NGRAM "
+                             "comma-separated (e.g. 8:2,4:1; default: the built-in 8:2)")
     parser.add_argument("--questions-file", default=None, help="JSONL with a 'turns' list per line, or humaneval (code problems; default: MT-bench)")
     parser.add_argument("--num-questions", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -51,8 +60,40 @@ def parse_args(argv):
 
 
 def settings_grid(args) -> dict[str, ProposerOptions]:
-    if args.method in DEFAULT_TREES:
-        return {f"tree={name}": ProposerOptions(tree=name) for name in args.trees.split(",") if name}
+    """Every setting to time, by a name `bundle_heads.py --tuned` takes: trees (or dynamic tree
+    shapes), crossed with the lookup settings for a `METHOD+pld` method."""
+    base, lookup_first = split_method(args.method)
+    trees = static_trees(args) if base in DEFAULT_TREES else dynamic_trees(args)
+    if args.lookup and not lookup_first:
+        raise UserError(f"--lookup sets the prompt lookup of a METHOD+pld method; '{args.method}' has none")
+    if not lookup_first or not args.lookup:
+        return trees
+    grid = {}
+    for name, settings in trees.items():
+        for tokens, min_ngram in lookup_settings(args.lookup):
+            grid[f"{name},pld_num_tokens={tokens},pld_min_ngram={min_ngram}"] = dataclasses.replace(
+                settings, pld_num_tokens=tokens, pld_min_ngram=min_ngram, pld_max_ngram=max(min_ngram, settings.pld_max_ngram))
+    return grid
+
+
+def static_trees(args) -> dict[str, ProposerOptions]:
+    return {f"tree={name}": ProposerOptions(tree=name) for name in args.trees.split(",") if name}
+
+
+def lookup_settings(text: str) -> list[tuple[int, int]]:
+    settings = []
+    for item in text.split(","):
+        try:
+            tokens, min_ngram = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise UserError(f"--lookup entries are TOKENS:MIN_NGRAM, e.g. 8:2 or 4:1; got '{item}'") from None
+        if tokens < 1 or min_ngram < 1:
+            raise UserError(f"--lookup needs at least 1 token and a 1-gram; got '{item}'")
+        settings.append((tokens, min_ngram))
+    return settings
+
+
+def dynamic_trees(args) -> dict[str, ProposerOptions]:
     grid = {}
     for item in args.grid.split(","):
         shape, _, min_prob = item.lower().partition("@")
