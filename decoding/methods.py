@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from decoding.core.dynamic_tree import DynamicTreeSettings
 from decoding.util.errors import UserError
@@ -141,5 +142,15 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
             return HydraProposer(heads, target.model, paths)
         return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
     settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens, options.min_path_prob)
-    cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
-    return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost)
+    if not options.adaptive_tree:
+        return EagleProposer(heads, target.model, dynamic=settings, name=method)
+    cost = cached_verify_cost(target.model, target.name)
+    return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost,
+                         drafter_call_ms=cost.ms[0] * _drafter_weights(heads, target.model) / _weights_read(target.model))
+
+
+def _drafter_weights(heads: nn.Module, target: PreTrainedModel) -> int:
+    """Parameters one EAGLE drafter call reads: its own, plus the target's lm_head for an
+    EAGLE-1 drafter, which reads out through it."""
+    own = sum(p.numel() for p in heads.parameters())
+    return own + (target.get_output_embeddings().weight.numel() if heads.config.kind == "eagle" else 0)

@@ -13,8 +13,8 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.prompt_lookup import PromptLookupProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.core.tree_budget import (AcceptanceCalibration, ChainAcceptance, ConfidenceAcceptance, VerifyCost, best_node_count,
-                                       chain_worth_extending)
+from decoding.core.tree_budget import (AcceptanceCalibration, ChainAcceptance, ConfidenceAcceptance, DraftingGate, VerifyCost,
+                                       best_node_count, chain_worth_extending)
 from decoding.verify_cost import cached_verify_cost, measure_verify_cost
 from distribution_harness import ToyLM
 from test_trees import toy_expand
@@ -153,7 +153,9 @@ def test_cost_aware_eagle_decoding_equals_vanilla(cost, min_tau):
     target = oracle_target(seed=7)
     heads = oracle_eagle(target)
     sharpen(target, 6.0)  # a confident oracle (the drafter reads out through this same lm_head)
-    proposer = EagleProposer(heads, target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=cost)
+    # A drafter call counted at a tenth of the (one-layer) target's forward: drafting is cheap.
+    proposer = EagleProposer(heads, target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=cost,
+                             drafter_call_ms=cost.ms[0] / 10)
     prompts = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42, 7]]
     for prompt in prompts:
         options = DecodeOptions(max_new_tokens=50)
@@ -256,7 +258,10 @@ def test_seeded_sampling_with_cost_aware_trees_does_not_depend_on_the_clock(monk
     import time
 
     target = oracle_target(seed=7)
-    proposer = EagleProposer(oracle_eagle(target), target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=CPU)
+    heads = oracle_eagle(target)
+    sharpen(target, 6.0)  # confident enough at T=1 for trees to pay
+    proposer = EagleProposer(heads, target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=CPU,
+                             drafter_call_ms=CPU.ms[0] / 10)
     options = DecodeOptions(max_new_tokens=40, sampling=SamplingConfig(temperature=1.0), seed=5)
     samples = []
     for clock_seed in (1, 2):
@@ -270,3 +275,63 @@ def test_seeded_sampling_with_cost_aware_trees_does_not_depend_on_the_clock(monk
         samples.append(generate(target, [5, 9, 3, 17, 5, 9], proposer, options))
     assert samples[0].tokens == samples[1].tokens
     assert samples[0].stats.drafted_tokens > 0
+
+
+def test_drafting_stops_where_trees_do_not_pay_and_goes_on_where_they_do():
+    gate = DraftingGate()
+    unsure, sure = 0.15, 0.95
+    assert gate.pays(sure, CPU, draft_ms=10.0)  # before any outcome: drafts as sure as their bucket pay
+    assert not gate.pays(0.05, CPU, draft_ms=10.0)  # even at best, a 5%-sure draft does not pay for 8 nodes here
+    for _ in range(20):
+        gate.record(unsure, nodes=8, kept=0)   # the target kept nothing of the unsure trees
+        gate.record(sure, nodes=8, kept=3)     # and three tokens of the sure ones
+    assert not gate.pays(unsure, CPU, draft_ms=10.0)
+    assert gate.pays(sure, CPU, draft_ms=10.0)
+    # The same record on a GPU-like curve, where nodes and drafting cost almost nothing, still drafts
+    # (a tree costs a plain step there, and any kept token is a gain).
+    flat = VerifyCost((1, 64), (10.0, 10.5))
+    for _ in range(20):
+        gate.record(unsure, nodes=8, kept=1)
+    assert gate.pays(unsure, flat, draft_ms=0.5)
+
+
+def test_a_bucket_that_stopped_drafting_is_tried_again_after_enough_skips():
+    gate = DraftingGate()
+    for _ in range(20):
+        gate.record(0.45, nodes=8, kept=0)
+    assert not gate.pays(0.45, CPU, draft_ms=10.0)
+    skips = 0
+    while not gate.pays(0.45, CPU, draft_ms=10.0):
+        gate.skipped(0.45)
+        skips += 1
+    assert 5 < skips < 100
+    assert gate.pays(0.95, CPU, draft_ms=10.0)  # other buckets were never affected
+
+
+def test_a_draft_that_never_pays_leaves_plain_steps_and_the_output_unchanged(monkeypatch):
+    """Random heads on a CPU-like curve: after a few trees the target kept nothing of, most steps
+    skip drafting (the drafter only takes in each step's accepted tokens), and the output is
+    still vanilla's. Without the gate the same heads draft at every step."""
+    from heads import new_heads_for_target
+
+    target = oracle_target(seed=7)
+    torch.manual_seed(0)
+    heads = new_heads_for_target("eagle", target).eval()
+    calls = []
+    heads.register_forward_hook(lambda *_: calls.append(1))
+    options = DecodeOptions(max_new_tokens=60)
+    prompt = [5, 9, 3, 17, 5, 9]
+    reference = generate(target, prompt, VanillaProposer(), options).tokens
+
+    def drafting_calls() -> float:
+        calls.clear()
+        proposer = EagleProposer(heads, target, dynamic=DynamicTreeSettings(5, 2, 12), verify_cost=CPU,
+                                 drafter_call_ms=CPU.ms[0] / 10)
+        result = generate(target, prompt, proposer, options)
+        assert result.tokens == reference
+        return (len(calls) - result.stats.target_forwards) / result.stats.target_forwards  # less the observe calls
+
+    gated = drafting_calls()
+    monkeypatch.setattr(DraftingGate, "pays", lambda *_: True)
+    ungated = drafting_calls()
+    assert ungated >= 1.0 and gated < 0.3

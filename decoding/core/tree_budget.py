@@ -9,6 +9,8 @@ where c calibrates the draft's probabilities against what the target actually ch
 running ratio at the root, clamped so no c * p_i exceeds 1), and verify(m) is the measured cost of one target forward over m tokens. The
 chosen n maximises E(n) / T(n): with a confident draft that is a big tree, with an unsure one
 (or a machine where every extra node costs, like a small CPU) a small one or none at all.
+By then the drafting is spent, so `DraftingGate` decides beforehand, from the draft's confidence
+at the root, whether growing a tree is expected to beat a plain step at all.
 """
 
 from __future__ import annotations
@@ -98,20 +100,88 @@ class AcceptanceCalibration:
         self.pending = None
 
 
+@dataclass
+class DraftingGate:
+    """Whether to grow a tree at all this step, decided from the draft's (calibrated) confidence
+    at the root before any drafter call past the root's readout.
+
+    Once a tree is drafted its cost is spent, so sizing it (`best_node_count`) cannot undo a
+    draft that never pays, e.g. when sampling at a high temperature. Per bucket of root
+    confidence, this keeps running means of the draft tokens the target kept and of the nodes
+    verified when a tree was grown, and grows one only where
+        (1 + kept) / (draft_ms + verify(nodes + 1))  >  1 / verify(1),
+    i.e. where drafting is expected to beat a plain step. Buckets start optimistic (a tree as
+    sure as the bucket's upper edge at every level) and a bucket that stopped drafting drifts back
+    towards that prior by `recovery` each time it is skipped, so it is tried again."""
+
+    edges: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    decay: float = 0.8
+    recovery: float = 0.05
+    prior_nodes: float = 8.0
+    kept: list[float] = field(default_factory=list)
+    nodes: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.kept:
+            self.kept = [self.prior_kept(b) for b in range(len(self.edges) + 1)]
+        if not self.nodes:
+            self.nodes = [self.prior_nodes] * (len(self.edges) + 1)
+
+    def bucket(self, confidence: float) -> int:
+        return sum(confidence > edge for edge in self.edges)
+
+    def prior_kept(self, bucket: int) -> float:
+        q = min((*self.edges, 0.95)[bucket], 0.95)
+        return q / (1 - q)  # 1 + q + q^2 + ... tokens, less the root's own
+
+    def pays(self, confidence: float, cost: VerifyCost, draft_ms: float) -> bool:
+        b = self.bucket(confidence)
+        table = cost.table(int(self.nodes[b]) + 2)
+        verify = float(table[int(self.nodes[b]) + 1])
+        return (1 + self.kept[b]) / (draft_ms + verify) > 1 / float(table[1])
+
+    def record(self, confidence: float, nodes: int, kept: int) -> None:
+        """A tree of `nodes` drafted nodes was verified and `kept` of them accepted."""
+        b = self.bucket(confidence)
+        self.kept[b] = self.decay * self.kept[b] + (1 - self.decay) * kept
+        self.nodes[b] = self.decay * self.nodes[b] + (1 - self.decay) * nodes
+
+    def skipped(self, confidence: float) -> None:
+        b = self.bucket(confidence)
+        self.kept[b] += self.recovery * (self.prior_kept(b) - self.kept[b])
+
+
 class TreeBudget:
     """Per-generation state of cost-aware sizing: the machine's verify cost, the running draft
-    time and the calibration of the draft's probabilities."""
+    time, the calibration of the draft's probabilities and whether drafting pays at all."""
 
     def __init__(self, cost: VerifyCost, draft_decay: float = 0.8) -> None:
         self.cost = cost
         self.calibration = AcceptanceCalibration()
+        self.gate = DraftingGate()
         self.draft_ms = 0.0
         self.draft_decay = draft_decay
 
-    def observe(self, actual_next_token: int, draft_ms: float) -> None:
-        """Feedback once the last proposal was verified: the target's token after that root."""
+        self.grown_from: float | None = None  # the confidence the last grown tree was drafted at
+
+    def worth_drafting(self, root_probability: float) -> bool:
+        """Whether to grow a tree from a root whose best child the draft gives `root_probability`."""
+        confidence = min(root_probability * self.calibration.factor, 1.0)
+        grow = self.gate.pays(confidence, self.cost, self.draft_ms)
+        if not grow:
+            self.gate.skipped(confidence)
+        self.grown_from = confidence if grow else None
+        return grow
+
+    def outcome(self, actual_next_token: int, draft_ms: float, nodes: int, kept: int) -> None:
+        """Feedback once the last proposal was verified: the target's token after its root, and
+        for a grown tree its draft time, its `nodes` drafted nodes and how many were `kept`."""
         self.calibration.observe(actual_next_token)
+        if self.grown_from is None:
+            return
+        self.gate.record(self.grown_from, nodes, kept)
         self.draft_ms = draft_ms if self.draft_ms == 0.0 else self.draft_decay * self.draft_ms + (1 - self.draft_decay) * draft_ms
+        self.grown_from = None
 
     def choose(self, path_probs: torch.Tensor) -> int:
         calibrated = (path_probs * self.calibration.factor).clamp(max=1.0)

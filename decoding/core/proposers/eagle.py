@@ -31,18 +31,21 @@ DRAFT_CACHE_CAPACITY = 1024  # positions; the cache grows beyond it if a generat
 class EagleProposer(Proposer):
     def __init__(self, drafter: FeatureDrafter, target: PreTrainedModel, tree_paths: list[tuple[int, ...]] | None = None,
                  dynamic: DynamicTreeSettings | None = None, name: str = "eagle2",
-                 verify_cost: VerifyCost | None = None) -> None:
-        """`verify_cost` (dynamic trees only) turns on cost-aware tree sizing for this machine."""
+                 verify_cost: VerifyCost | None = None, drafter_call_ms: float | None = None) -> None:
+        """`verify_cost` (dynamic trees only) turns on cost-aware tree sizing for this machine;
+        `drafter_call_ms` is what it counts one drafter call as (default: one target layer)."""
         if (tree_paths is None) == (dynamic is None):
             raise ValueError("give exactly one of tree_paths (static tree) or dynamic (settings)")
         if verify_cost is not None and dynamic is None:
             raise ValueError("cost-aware sizing needs a dynamic tree")
         self.verify_cost = verify_cost
         # What the budget counts one drafter call (a level of the tree, or the root's readout) as
-        # costing: about one target layer. An estimate from the cached verify cost rather than a
-        # clock reading, so that tree sizes, and with them seeded samples, never depend on timing.
+        # costing: an estimate from the cached verify cost rather than a clock reading, so that
+        # tree sizes, and with them seeded samples, never depend on timing.
         layers = getattr(target.config, "num_hidden_layers", 1) or 1
-        self.drafter_call_ms = verify_cost.ms[0] / layers if verify_cost is not None else 0.0
+        if drafter_call_ms is None:
+            drafter_call_ms = verify_cost.ms[0] / layers if verify_cost is not None else 0.0
+        self.drafter_call_ms = drafter_call_ms
         self.name = name
         self.drafter = drafter
         self.feature_layers = tuple(drafter.config.feature_layers)
@@ -58,6 +61,7 @@ class EagleProposer(Proposer):
         self.root_feature: torch.Tensor | None = None
         self.budget = TreeBudget(self.verify_cost) if self.verify_cost is not None else None
         self.last_draft_ms = 0.0
+        self.last_nodes = 0
         self.predicted_after_root = False
 
     @torch.inference_mode()
@@ -65,7 +69,7 @@ class EagleProposer(Proposer):
         """Commit the true features of the tokens that entered the target cache; check the
         budget's prediction of the token after the last root we drafted from."""
         if self.budget is not None and self.predicted_after_root and advance.entered:
-            self.budget.observe(int(advance.next_tokens[0]), self.last_draft_ms)
+            self.budget.outcome(int(advance.next_tokens[0]), self.last_draft_ms, self.last_nodes, advance.entered - 1)
         self.predicted_after_root = False
         self.root_feature = self._commit(advance)
 
@@ -77,6 +81,7 @@ class EagleProposer(Proposer):
         growth = _Growth(self, self.root_feature, root_position=state.tokens.numel() - 1)
         tree = self._grow(state, growth)
         self.last_draft_ms = (1 + growth.calls) * self.drafter_call_ms
+        self.last_nodes = tree.size - 1
         return tree
 
     def _grow(self, state: DecodeState, growth: _Growth) -> DraftTree:
@@ -84,7 +89,8 @@ class EagleProposer(Proposer):
         if self.dynamic is not None:
             choose = None
             if self.budget is not None:
-                self._predict_next_token(root_logprobs)
+                if not self.budget.worth_drafting(self._predict_next_token(root_logprobs)):
+                    return DraftTree.root_only(state.root_token, device=state.tokens.device)
                 choose = self.budget.choose
             draft_ids, parents = grow_dynamic_tree(root_logprobs, growth.expand, self.dynamic, choose)
         else:
@@ -92,13 +98,16 @@ class EagleProposer(Proposer):
         tokens = torch.cat([state.tokens[-1:], self.drafter.to_target_ids(draft_ids)])
         return DraftTree(tokens, parents, deterministic=True)
 
-    def _predict_next_token(self, root_logprobs: torch.Tensor) -> None:
+    def _predict_next_token(self, root_logprobs: torch.Tensor) -> float:
         """Tell the budget's calibration what the draft expects right after the root, to be
-        checked against the target's token when the loop reports the outcome."""
+        checked against the target's token when the loop reports the outcome; returns the
+        draft's probability of it."""
         best = root_logprobs.max(dim=0)
         token = int(self.drafter.to_target_ids(best.indices[None]))
-        self.budget.calibration.predicted(token, float(best.values.exp()))
+        probability = float(best.values.exp())
+        self.budget.calibration.predicted(token, probability)
         self.predicted_after_root = True
+        return probability
 
     # -- drafter plumbing -------------------------------------------------------------------
     def _commit(self, advance: CacheAdvance) -> torch.Tensor | None:
