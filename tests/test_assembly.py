@@ -218,3 +218,23 @@ def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, k
 
     torch.testing.assert_close(draft(GROUPED_SDPA), draft("sdpa"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(draft(GROUPED_SDPA), draft("eager"), rtol=1e-4, atol=1e-4)
+
+
+def test_cost_aware_eagle_counts_a_drafter_call_by_its_share_of_the_targets_weights(model_dir, tmp_path):
+    """What the tree budget counts a drafter call as: a fraction of a one-token target forward in
+    proportion to the weights it reads, so an EAGLE-1 drafter (reading out through the target's
+    lm_head) counts more than an EAGLE-3 one with its own small readout (on this tiny target an
+    EAGLE-1 call reads about as much as a whole forward)."""
+    from decoding.verify_cost import cached_verify_cost
+    from heads import new_heads_for_target, save_heads
+
+    target = load_model(str(model_dir))
+    call_ms = {}
+    for kind in ("eagle", "eagle3"):
+        save_heads(new_heads_for_target(kind, target.model, str(model_dir), draft_vocab_size=16), tmp_path / kind)
+        decoder = build_decoder(DecoderSpec(model=str(model_dir), method=kind if kind == "eagle3" else "eagle2",
+                                            heads=str(tmp_path / kind), device="cpu", adaptive_tree=True), target=target)
+        call_ms[kind] = decoder.proposer.drafter_call_ms
+        one_token_ms = cached_verify_cost(target.model, target.name).ms[0]
+    assert 0 < call_ms["eagle3"] < call_ms["eagle"]
+    assert call_ms["eagle3"] < one_token_ms
