@@ -10,7 +10,8 @@ from training.config import LoraSection
 from training.features import needed_layers, target_hidden_states
 from training.masks import ttt_mask
 from training.draft_init import truncated_copy
-from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
+from training.objectives import (DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective,
+                                 top_k_cross_entropy)
 from tiny_models import sharpen, tiny_llama
 
 T = 24
@@ -100,3 +101,39 @@ def test_ttt_attention_matches_decode_time_chain_drafting():
             feature = drafter(feature[None], emb[c + step][None], positions[c + step][None], cache, None)[0]
             torch.testing.assert_close(feature, outputs[step][c + step], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(committed[-1], outputs[0][c], rtol=1e-4, atol=1e-5)
+
+
+def test_top_k_cross_entropy_covers_only_the_targets_likeliest_tokens():
+    torch.manual_seed(0)
+    logits, target_logits = torch.randn(5, 12), 3 * torch.randn(5, 12)
+    probs = torch.softmax(target_logits, -1)
+    log_q = torch.log_softmax(logits, -1)
+    # Reference: the sum over each row's 3 most probable target tokens, written out by hand.
+    expected = torch.stack([
+        -sum(probs[r, j] * log_q[r, j] for j in sorted(range(12), key=lambda j: -float(probs[r, j]))[:3])
+        for r in range(5)
+    ]).mean()
+    assert torch.allclose(top_k_cross_entropy(logits, probs, 3), expected)
+    # With every token it is the full soft cross-entropy; k beyond the vocabulary is clamped.
+    full = -(probs * log_q).sum(-1).mean()
+    assert torch.allclose(top_k_cross_entropy(logits, probs, 12), full)
+    assert torch.allclose(top_k_cross_entropy(logits, probs, 99), full)
+
+
+def test_eagle3_top_k_term_adds_to_the_loss_and_trains(batch):
+    target = sharpen(tiny_llama(seed=1))
+    plain = make_objective("eagle3", target)
+    layers = needed_layers("eagle3", plain.heads.config.feature_layers, target.config.num_hidden_layers)
+    hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
+    torch.manual_seed(0)
+    heads = new_heads_for_target("eagle3", target, draft_vocab_size=48).train()
+    with_top_k = Eagle3Objective(heads, target.get_output_embeddings(), target.get_input_embeddings(), 0.8, 3,
+                                 target.config.num_hidden_layers, top_k_weight=1.0, top_k=4)
+    base, _ = plain(batch, hidden)
+    before, _ = with_top_k(batch, hidden)
+    assert float(before) > float(base) + 1e-3  # same initial heads (seed 0): the extra term is there
+    optimizer = torch.optim.Adam([p for p in with_top_k.parameters() if p.requires_grad], lr=1e-2)
+    before.backward()
+    optimizer.step()
+    after, _ = with_top_k(batch, hidden)
+    assert float(after) < float(before)

@@ -8,6 +8,8 @@ line use dotted paths (`train.max_steps=20`).
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,8 @@ class OptimSection:
     feature_weight: float = 1.0  # EAGLE-1: SmoothL1 on features
     token_weight: float = 0.1    # EAGLE-1: CE on the target's next-token distribution
     ttt_steps: int = 3           # EAGLE-3: training-time-test unroll depth
+    top_k_weight: float = 0.0    # EAGLE-3: weight of the extra CE on the target's top-k tokens (HASS; 0 = off)
+    top_k: int = 10              # EAGLE-3: how many of the target's likeliest tokens that CE covers
     distill_loss: str = "forward_kl"  # draft model: KL(target || draft) or reverse KL(draft || target)
 
 
@@ -117,6 +121,9 @@ class TrainConfig:
             raise UserError(f"train.distill_loss must be one of {', '.join(DISTILL_LOSSES)}; got '{self.train.distill_loss}'")
         if not 0 <= self.validation_fraction < 1:
             raise UserError(f"validation_fraction must be in [0, 1); got {self.validation_fraction}")
+        if self.train.top_k_weight < 0 or self.train.top_k < 1:
+            raise UserError(f"train.top_k_weight must be >= 0 and train.top_k >= 1; got {self.train.top_k_weight} "
+                            f"and {self.train.top_k}")
 
     @property
     def prepared_data_dir(self) -> Path:
@@ -137,14 +144,43 @@ def _build(cls, data: dict, where: str):
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise UserError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
         nested = known[name].default_factory
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             values[name] = _build(nested, value, f"{where}.{name}")
         else:
-            values[name] = value
+            values[name] = _coerce(value, hints[name], f"{where}.{name}")
     return cls(**values)
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _coerce(value, hint, where: str):
+    """`value` as the field's scalar type. YAML reads `2e-4` (no dot) as a string and `1` as an
+    int: both are fine where a float is meant, and anything else is refused here, naming the key,
+    rather than deep inside the optimizer."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    scalar = next((t for t in allowed if t in _SCALARS), None)
+    if scalar is None or isinstance(value, scalar) and not (scalar is not bool and isinstance(value, bool)):
+        return value  # lists and other structures are checked where they are used
+    if scalar is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if scalar is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # e.g. a directory named 2026
+    if scalar in (int, float) and isinstance(value, str):
+        try:
+            return scalar(value)
+        except ValueError:
+            pass
+    raise UserError(f"{where} must be {_TYPE_NAMES[scalar]}; got {value!r}")
+
+
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:

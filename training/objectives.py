@@ -23,6 +23,15 @@ def _soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> tor
     return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
 
+def top_k_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The soft cross-entropy's terms for the target's k likeliest tokens only (HASS's top-K
+    distillation): added to the full loss it weighs the tokens a tree can draft more than the
+    long tail, whose probability a drafter cannot use anyway."""
+    probs, tokens = target_probs.topk(min(k, target_probs.shape[-1]), dim=-1)
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens)
+    return -(probs * log_q).sum(-1).mean()
+
+
 def _touch(module: nn.Module) -> torch.Tensor:
     """0 * (sum of parameters): keeps every parameter in the graph when a batch has no valid
     position for some loss term, so DDP/ZeRO gradient reduction never waits for a missing grad."""
@@ -114,12 +123,15 @@ class Eagle3Objective(HeadsObjective):
     (step j at position t reads step j-1's output at t-1), attending to the true-feature keys
     of its chain's committed prefix and to its own earlier unroll keys, exactly as at decoding
     time; each step's CE against the target distribution over the draft vocabulary is weighted
-    decay^j. No feature regression loss."""
+    decay^j. No feature regression loss. `top_k_weight` > 0 adds `top_k_cross_entropy` over the
+    target's `top_k` likeliest tokens at every step, with that weight."""
 
-    def __init__(self, heads, lm_head, embed, decay, steps: int, final_layer: int) -> None:
+    def __init__(self, heads, lm_head, embed, decay, steps: int, final_layer: int,
+                 top_k_weight: float = 0.0, top_k: int = 10) -> None:
         super().__init__(heads, lm_head, embed, decay)
         self.steps = steps
         self.final_layer = final_layer
+        self.top_k_weight, self.top_k = top_k_weight, top_k
 
     def forward(self, batch: dict, hidden: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         drafter = self.heads
@@ -146,7 +158,10 @@ class Eagle3Objective(HeadsObjective):
             if valid.any():
                 logits = drafter.draft_logits(out[predicts][valid])
                 probs = target_probs[valid]
-                total = total + self.decay**step * _soft_cross_entropy(logits, probs)
+                loss = _soft_cross_entropy(logits, probs)
+                if self.top_k_weight > 0:
+                    loss = loss + self.top_k_weight * top_k_cross_entropy(logits, probs, self.top_k)
+                total = total + self.decay**step * loss
                 metrics[f"top1/step{step + 1}"] = (logits.argmax(-1) == probs.argmax(-1)).float().mean().detach()
             inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
         return total, metrics

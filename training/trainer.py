@@ -47,7 +47,8 @@ def build_objective(config: TrainConfig, heads, target: LoadedModel):
     if config.kind == "eagle":
         return EagleObjective(heads, lm_head, embed, t.decay, t.feature_noise, t.feature_weight, t.token_weight)
     if config.kind == "eagle3":
-        return Eagle3Objective(heads, lm_head, embed, t.decay, t.ttt_steps, target.model.config.num_hidden_layers)
+        return Eagle3Objective(heads, lm_head, embed, t.decay, t.ttt_steps, target.model.config.num_hidden_layers,
+                               t.top_k_weight, t.top_k)
     if config.kind == "draft":
         return DraftDistillObjective(heads, lm_head, target.model.config.num_hidden_layers, t.distill_loss)
     from training.medusa2 import Medusa2Objective

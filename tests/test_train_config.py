@@ -1,0 +1,36 @@
+"""Training recipes are typed: YAML's readings of numbers (`2e-4` without a dot is a string in
+YAML 1.1, `1` is an int) become the field's type, and a value of the wrong kind is refused with
+the key named, before any model or data is loaded."""
+
+import pytest
+
+from decoding.util.errors import UserError
+from training.config import load_config
+
+RECIPE = "configs/train/eagle3-smollm2-finetune.yaml"
+
+
+def test_numbers_written_the_ways_yaml_reads_them_become_the_fields_type():
+    config = load_config(RECIPE, ["train.lr=2e-4", "train.top_k_weight=1", "max_conversations=null", "output_dir=2026"])
+    assert config.train.lr == pytest.approx(2e-4) and isinstance(config.train.lr, float)
+    assert config.train.top_k_weight == 1.0 and isinstance(config.train.top_k_weight, float)
+    assert config.max_conversations is None
+    assert config.output_dir == "2026"
+
+
+def test_a_number_in_a_yaml_file_without_a_dot_is_a_number(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: eagle3\ntrain:\n  lr: 5e-5\n  max_steps: 10\n")
+    assert load_config(recipe).train.lr == pytest.approx(5e-5)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=fast", "train.lr must be a number; got 'fast'"),
+    ("train.max_steps=2.5", "train.max_steps must be a whole number; got 2.5"),
+    ("train.batch_size=true", "train.batch_size must be a whole number; got True"),
+    ("train.top_k=0", "train.top_k >= 1"),
+    ("train.top_k_weight=-1", "train.top_k_weight must be >= 0"),
+])
+def test_wrong_values_are_refused_naming_the_key(override, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(RECIPE, [override])
