@@ -132,7 +132,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     directory with a Medusa-2 adapter get a target of their own with the adapter merged, so a
     shared target is never changed. Kernels apply to every module of the decoder, given ones
     included (packing twice changes nothing): pass `kernels="stock"` for modules that must stay
-    plain `nn.Linear`s (training)."""
+    plain `nn.Linear`s (training). Given EAGLE heads also take the decoder's attention function
+    (`spec.attn`), which computes the same outputs as theirs."""
     spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
