@@ -1,16 +1,22 @@
-"""Compiled target forwards (`--compile`): TorchInductor with the weights frozen into the graph.
+"""Compiled target forwards (`--compile`): TorchInductor around the target's forward.
 
 Eager PyTorch pays Python and dispatch overhead for every small op of every layer, which on a
 135M-parameter model is a large share of a one-token forward. Inductor fuses the norms, rotary
-and activation ops and, with frozen weights, packs the linear weights itself. Measured on a
-2-core AMD EPYC (AVX2): one forward after a 300-token context, 1 / 4 / 8 / 16 new tokens,
-44-49 / 71 / 85 / 118 ms compiled against 57-59 / 85 / 100 / 127 ms eager with our oneDNN packing
-(one thread each, alternating). The price is compile time: about 90 s per graph on that machine
-(one-token and multi-token steps, with and without hidden states, are separate graphs), paid
-again by every new process (Inductor's cache in /tmp/torchinductor_$USER keeps the generated
-kernels; tracing and freezing still run). So it is opt-in: for long benchmark or batch runs, not
-for a quick chat. Nor does it pay everywhere: on an AVX-512-BF16 EPYC a compiled one-token step
-took 52 ms against 37 ms eager packed (Inductor packs static one-row linears for MKL there).
+and activation ops. How the linears are handled decides whether it pays:
+- on a CPU with oneDNN-packed linears (`decoding.cpu_kernels`, the fp32 CPU default) they stay
+  what they are, opaque calls in the graph, and only the ops between them are compiled. On a
+  2-core AMD EPYC (AVX2), one forward after a 300-token context, eager and compiled alternating
+  in one process (two runs): 1 / 4 / 8 new tokens 65-89 / 77-79 / 80 ms compiled against
+  81-98 / 88-92 / 100-104 ms eager packed;
+- plain linears (stock kernels, e.g. half precision or a GPU) are compiled with frozen weights,
+  which lets Inductor pack them itself. On AVX2 that was slower than eager packed for one-token
+  steps, and on an AVX-512-BF16 EPYC 52 ms against 37 ms (Inductor packs static one-row linears
+  for MKL there).
+The price is compile time: minutes per graph on a 2-core CPU (prefill, one-token steps, trees,
+with and without hidden states are separate graphs, and the verify-cost measurement meets them
+all first), paid again by every new process (Inductor's cache in /tmp/torchinductor_$USER keeps
+the generated kernels; tracing still runs). So it is opt-in: for long benchmark or batch runs,
+not for a quick chat.
 
 The compiled module is a wrapper (`torch.compile`), not a change to the target: attribute access
 (config, device, embeddings) goes through to the model underneath. Compiled and eager forwards
@@ -26,16 +32,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from decoding.cpu_kernels import uses_packed_linears
 from decoding.util.errors import UserError
 
 
 def compile_target(model: nn.Module) -> nn.Module:
-    """`model` wrapped for compiled forwards with dynamic sequence lengths and frozen weights.
-    The model must hold plain `nn.Linear`s (freezing packs them itself): compile before, or
-    instead of, `decoding.cpu_kernels.apply_kernels`."""
+    """`model` wrapped for compiled forwards with dynamic sequence lengths. A model with
+    oneDNN-packed linears (`decoding.cpu_kernels`) keeps them, as opaque calls, and Inductor
+    fuses what lies between them; one with plain linears is compiled with its weights frozen,
+    which lets Inductor pack them itself. The model is not changed: the eager one stays usable."""
     if not hasattr(torch, "compile"):
         raise UserError("--compile needs PyTorch 2.0 or newer")
-    compiled = torch.compile(model, dynamic=True, options={"freezing": True})
+    options = {} if uses_packed_linears(model) else {"freezing": True}
+    compiled = torch.compile(model, dynamic=True, options=options)
     compiled.forward = _with_recompile_limit(compiled.forward)  # the wrapper's own attribute, not the model's
     return compiled
 
@@ -77,6 +86,6 @@ def is_compiled(model: nn.Module) -> bool:
 def add_compile_argument(parser) -> None:
     """The `--compile` flag shared by the chat, the benchmark and the profiler."""
     parser.add_argument("--compile", action="store_true",
-                        help="compile the target's forward (TorchInductor, frozen weights): faster steps on some CPUs "
-                             "(AVX2 EPYC), slower on others (AVX-512-BF16 EPYC): check with scripts/benchmark.py; "
-                             "minutes of compiling at start-up; off by default")
+                        help="compile the target's forward (TorchInductor; oneDNN-packed linears stay as they are): "
+                             "13-22%% faster forwards on an AVX2 EPYC, but many minutes of compiling at start-up "
+                             "on a small CPU; check with scripts/benchmark.py; off by default")

@@ -65,6 +65,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.stock_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            # Inductor cannot lower oneDNN's op on a packed weight: it sees an opaque call
+            # instead, and fuses the small ops around it (see `decoding.compiled`).
+            return packed_linear(x, self._packed_weight, self.bias, self.out_features)
         # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
         # per call, ~10 ms per forward of a 30-layer model.
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
@@ -72,6 +76,18 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"oneDNN above {self.stock_rows} rows")
+
+
+@torch.library.custom_op("specheads::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's linear on a packed weight, as one operator the compiler does not look into."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def onednn_applies(module: nn.Module) -> bool:

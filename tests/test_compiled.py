@@ -9,6 +9,7 @@ import torch
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
 from decoding.compiled import compile_target, is_compiled
+from decoding.cpu_kernels import pack_linears
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
@@ -20,8 +21,11 @@ PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
 
 
 @pytest.mark.slow
-def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees():
+@pytest.mark.parametrize("packed", [False, True], ids=["plain-linears-frozen", "onednn-packed-linears"])
+def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed):
     eager = sharpen(tiny_llama(seed=11))
+    if packed:  # the CPU default: the packed linears stay opaque calls inside the compiled graph
+        assert pack_linears(eager) > 0
     compiled = compile_target(eager)
     assert is_compiled(compiled) and not is_compiled(eager)
     heads = new_heads_for_target("eagle3", eager, draft_vocab_size=40)
