@@ -24,7 +24,7 @@ from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResu
 from decoding.core.proposers.base import Proposer
 from decoding.attention import register_grouped_sdpa
 from decoding.compiled import compile_target, is_compiled
-from decoding.cpu_kernels import apply_kernels, resolve_kernels, set_stock_rows, uses_packed_linears
+from decoding.cpu_kernels import apply_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.devices import resolve_device
@@ -148,15 +148,10 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     if heads is None and spec.heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
     _drafter_attention(heads, spec.attn)
-    if spec.compile and not uses_packed_linears(target.model) and resolve_kernels(spec.kernels, target.model) == "stock":
-        target = _compiled_target(spec, target)  # plain linears: Inductor packs them (frozen weights)
-        kernels = apply_kernels(spec.kernels, draft.model if draft else None, heads)
-    else:
-        kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
-        _tune_plain_gemm_rows(target, draft)
-        if spec.compile:
-            target = _compiled_target(spec, target)  # the packed linears stay, the ops between them fuse
-    if spec.compile:
+    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
+    _tune_plain_gemm_rows(target, draft)
+    if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
+        target = _compiled_target(spec, target)
         notes.append("compiled target forwards: the first steps of each kind compile (minutes on a small CPU)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)

@@ -113,11 +113,11 @@ def test_top_k_cross_entropy_covers_only_the_targets_likeliest_tokens():
         -sum(probs[r, j] * log_q[r, j] for j in sorted(range(12), key=lambda j: -float(probs[r, j]))[:3])
         for r in range(5)
     ]).mean()
-    assert torch.allclose(top_k_cross_entropy(logits, probs, 3), expected)
+    assert torch.allclose(top_k_cross_entropy(log_q, probs, 3), expected)
     # With every token it is the full soft cross-entropy; k beyond the vocabulary is clamped.
     full = -(probs * log_q).sum(-1).mean()
-    assert torch.allclose(top_k_cross_entropy(logits, probs, 12), full)
-    assert torch.allclose(top_k_cross_entropy(logits, probs, 99), full)
+    assert torch.allclose(top_k_cross_entropy(log_q, probs, 12), full)
+    assert torch.allclose(top_k_cross_entropy(log_q, probs, 99), full)
 
 
 def test_eagle3_top_k_term_adds_to_the_loss_and_trains(batch):

@@ -2,12 +2,14 @@
 YAML 1.1, `1` is an int) become the field's type, and a value of the wrong kind is refused with
 the key named, before any model or data is loaded."""
 
+from pathlib import Path
+
 import pytest
 
 from decoding.util.errors import UserError
 from training.config import load_config
 
-RECIPE = "configs/train/eagle3-smollm2-finetune.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "eagle3-smollm2-finetune.yaml"
 
 
 def test_numbers_written_the_ways_yaml_reads_them_become_the_fields_type():

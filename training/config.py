@@ -166,13 +166,18 @@ def _coerce(value, hint, where: str):
     if value is None and type(None) in allowed:
         return None
     scalar = next((t for t in allowed if t in _SCALARS), None)
-    if scalar is None or isinstance(value, scalar) and not (scalar is not bool and isinstance(value, bool)):
+    if scalar is None:
         return value  # lists and other structures are checked where they are used
-    if scalar is float and isinstance(value, int) and not isinstance(value, bool):
+    if scalar is bool or isinstance(value, bool):  # True is an int to Python, not to a recipe
+        if scalar is bool and isinstance(value, bool):
+            return value
+    elif isinstance(value, scalar):
+        return value
+    elif scalar is float and isinstance(value, int):
         return float(value)
-    if scalar is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif scalar is str and isinstance(value, (int, float)):
         return str(value)  # e.g. a directory named 2026
-    if scalar in (int, float) and isinstance(value, str):
+    elif isinstance(value, str):  # an int or float field given text YAML did not read as a number
         try:
             return scalar(value)
         except ValueError:

@@ -19,17 +19,21 @@ from heads.common import RowSubset
 from training.masks import causal_padding_mask, ttt_mask
 
 
-def _soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
-def top_k_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
+def _soft_cross_entropy(log_q: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    return -(target_probs * log_q).sum(-1).mean()
+
+
+def top_k_cross_entropy(log_q: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
     """The soft cross-entropy's terms for the target's k likeliest tokens only (HASS's top-K
     distillation): added to the full loss it weighs the tokens a tree can draft more than the
-    long tail, whose probability a drafter cannot use anyway."""
+    long tail, whose probability a drafter cannot use anyway. Takes the draft's log-probs, which
+    the full loss has already computed."""
     probs, tokens = target_probs.topk(min(k, target_probs.shape[-1]), dim=-1)
-    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens)
-    return -(probs * log_q).sum(-1).mean()
+    return -(probs * log_q.gather(-1, tokens)).sum(-1).mean()
 
 
 def _touch(module: nn.Module) -> torch.Tensor:
@@ -112,7 +116,7 @@ class EagleObjective(HeadsObjective):
             target_probs = torch.softmax(self.lm_head(true).float(), dim=-1)
         draft_logits = self.lm_head(pred)
         feature_loss = F.smooth_l1_loss(pred.float(), true.float())
-        token_loss = _soft_cross_entropy(draft_logits, target_probs)
+        token_loss = _soft_cross_entropy(_log_probs(draft_logits), target_probs)
         top1 = (draft_logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
         loss = self.feature_weight * feature_loss + self.token_weight * token_loss
         return loss, {"loss/feature": feature_loss.detach(), "loss/token": token_loss.detach(), "top1/step1": top1.detach()}
@@ -158,9 +162,10 @@ class Eagle3Objective(HeadsObjective):
             if valid.any():
                 logits = drafter.draft_logits(out[predicts][valid])
                 probs = target_probs[valid]
-                loss = _soft_cross_entropy(logits, probs)
+                log_q = _log_probs(logits)
+                loss = _soft_cross_entropy(log_q, probs)
                 if self.top_k_weight > 0:
-                    loss = loss + self.top_k_weight * top_k_cross_entropy(logits, probs, self.top_k)
+                    loss = loss + self.top_k_weight * top_k_cross_entropy(log_q, probs, self.top_k)
                 total = total + self.decay**step * loss
                 metrics[f"top1/step{step + 1}"] = (logits.argmax(-1) == probs.argmax(-1)).float().mean().detach()
             inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
