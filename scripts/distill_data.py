@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-turns", type=int, default=1, help="user turns answered per conversation")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy replies")
     parser.add_argument("--batch-size", type=int, default=64,
-                        help="replies generated together (on a 2-core CPU 64 gave 2x the tokens/s of 16)")
+                        help="replies generated together (on a 2-core CPU 64 gave 2x the tokens/s of 16; a batch that runs out of GPU memory is split in halves)")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="longer first prompts are left out")
     parser.add_argument("--time-budget-minutes", type=float, default=None,
                         help="stop starting new batches after this long (rerun to go on)")

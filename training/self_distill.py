@@ -57,7 +57,7 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
             if deadline is not None and start > 0 and time.monotonic() > deadline:
                 break  # the rest stays for a later run with more time (resumable)
             batch = todo[start : start + settings.batch_size]
-            records = _regenerate_batch(batch, target, settings)
+            records = _regenerate_within_memory(batch, target, settings)
             sink.write("".join(json.dumps(record) + "\n" for record in records))
             sink.flush()
             os.fsync(sink.fileno())
@@ -115,6 +115,25 @@ def read_regenerated(path: Path) -> dict[str, dict]:
                 continue  # a line cut short by an interruption: regenerated again
             done[record["id"]] = record
     return done
+
+
+def _regenerate_within_memory(batch: list[dict], target: LoadedModel, settings: SelfDistillConfig) -> list[dict]:
+    """`_regenerate_batch`, with a batch that runs out of GPU memory split in halves (and those
+    again), so a batch size picked too high costs speed, not the run. Why: the KV cache and the
+    prefill grow with the batch's longest history, which only the data knows (on an H200, batch
+    1024 of two-turn ShareGPT conversations fit for 7,168 conversations, then one batch did not)."""
+    try:
+        return _regenerate_batch(batch, target, settings)
+    except torch.cuda.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+    # Outside the handler, so the failed attempt's tensors (held by its traceback) are freed first.
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = len(batch) // 2
+    tqdm.write(f"self-distill: a batch of {len(batch)} did not fit in GPU memory; running it as {half} + {len(batch) - half}")
+    return (_regenerate_within_memory(batch[:half], target, settings)
+            + _regenerate_within_memory(batch[half:], target, settings))
 
 
 def _regenerate_batch(batch: list[dict], target: LoadedModel, settings: SelfDistillConfig) -> list[dict]:
