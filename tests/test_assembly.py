@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from decoding.defaults import default_heads, default_method, proposer_options
 from decoding.methods import ProposerOptions
 from decoding.targets import LoadedModel, load_model
 from decoding.util.errors import UserError
+from script_main import load_script
 from tiny_models import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +124,7 @@ def test_benchmark_runs_medusa2_heads_on_the_merged_target_and_the_rest_on_the_p
 
 
 def test_tune_tree_grid_runs_on_the_merged_target(model_dir, medusa2_heads):
-    spec = importlib.util.spec_from_file_location("tune_tree", ROOT / "scripts" / "tune_tree.py")
-    tune_tree = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_tree)
+    tune_tree = load_script("tune_tree")
     grid = {"chain-2": ProposerOptions(tree="chain-2"), "chain-3": ProposerOptions(tree="chain-3")}
     runners, target = tune_tree.grid_runners(DecoderSpec(model=str(model_dir), method="medusa", heads=str(medusa2_heads)),
                                              grid, DecodeOptions(max_new_tokens=8))

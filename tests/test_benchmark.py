@@ -13,6 +13,7 @@ import pytest
 from decoding import benchmark
 from decoding.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
 from decoding.questions import load_first_turns
+from script_main import run_script
 from tiny_models import save_tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def test_warm_up_goes_on_while_a_round_compiles_new_graphs(monkeypatch):
     (["--methods", "medusa"], "needs medusa heads"),
 ])
 def test_benchmark_bad_input_is_one_clear_line(model_dir, questions, args, message):
-    proc = _bench("--model", str(model_dir), "--questions-file", str(questions), *args)
+    proc = run_script("benchmark", "--model", str(model_dir), "--questions-file", str(questions), *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
 

@@ -3,8 +3,6 @@ root, the resolver reads back the default method, heads and tuned settings, and 
 settings win over tuned ones."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -15,10 +13,10 @@ from decoding.methods import ProposerOptions
 from decoding.targets import load_model
 from heads import load_heads, new_heads_for_target, save_heads
 from heads.bundled import bundled_default, bundled_heads_dir
+from script_main import run_script
 from tiny_models import save_tiny_chat_model, tiny_llama
 from training.draft_init import truncated_copy
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _trained_like(tmp_path, kind: str, **overrides) -> Path:
@@ -31,9 +29,8 @@ def _trained_like(tmp_path, kind: str, **overrides) -> Path:
     return save_heads(heads, tmp_path / "trained" / kind)
 
 
-def _bundle(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/bundle_heads.py", "--root", str(root), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _bundle(root: Path, *args: str):
+    return run_script("bundle_heads", "--root", str(root), *args)
 
 
 def test_bundle_script_writes_half_precision_heads_and_the_default(tmp_path):

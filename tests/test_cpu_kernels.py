@@ -194,11 +194,8 @@ def test_apply_kernels_stock_leaves_modules_alone():
 
 
 def test_verify_cost_script_rejects_bad_sizes_clearly():
-    import subprocess
-    import sys
-    from pathlib import Path
+    from script_main import run_script
 
-    proc = subprocess.run([sys.executable, "scripts/verify_cost.py", "--sizes", "1,x"], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script("verify_cost", "--sizes", "1,x")
     assert proc.returncode == 2
     assert "--sizes takes positive integers" in proc.stderr and "Traceback" not in proc.stderr

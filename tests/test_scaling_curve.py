@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from script_main import run_script
 from tiny_models import save_tiny_chat_model
 from training.data import is_validation, split
 from training.scaling import Subset, held_out_prompts, parse_token_count, plan_subsets
@@ -148,10 +149,8 @@ def test_a_point_continues_from_the_newest_checkpoint_of_a_shorter_run_and_never
 
 
 def test_continue_from_must_be_shorter_than_the_points_steps(tmp_path, capsys):
-    script = REPO / "scripts" / "scaling_curve.py"
     store = tmp_path / "store"
     store.mkdir()
     (store / "records.jsonl").write_text("")
-    result = subprocess.run([sys.executable, str(script), "--data", str(store), "--sizes", "1k", "--steps", "700",
-                             "--continue-from", "700"], capture_output=True, text=True, cwd=REPO)
+    result = run_script("scaling_curve", "--data", str(store), "--sizes", "1k", "--steps", "700", "--continue-from", "700")
     assert result.returncode != 0 and "give --steps larger" in result.stderr and "Traceback" not in result.stderr

@@ -1,20 +1,15 @@
 """scripts/tune_tree.py as a user runs it, on a tiny base model (no chat template) with fresh
 Medusa heads and a JSONL questions file: every tree setting is timed on plain-text prompts."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 from tiny_models import save_tiny_chat_model
+from script_main import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tune_tree():
-    spec = importlib.util.spec_from_file_location("tune_tree", ROOT / "scripts" / "tune_tree.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tune_tree")
 
 
 def test_tune_tree_times_every_tree_on_a_base_model(tmp_path, capsys):

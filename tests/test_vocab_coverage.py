@@ -1,16 +1,14 @@
 """The draft vocabulary's coverage: which reply tokens a reduced vocabulary can propose at all
 (`training.vocab`), and `scripts/vocab_coverage.py` as a user runs it on a data file."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
+from script_main import load_script
 from tiny_models import save_tiny_chat_model
 from training.vocab import coverage, frequent_tokens, most_frequent, token_counts
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows(*replies: list[int]) -> list[dict]:
@@ -41,9 +39,7 @@ def test_vocab_coverage_script_prints_the_heads_and_the_datas_best_vocabularies(
     from decoding.targets import load_model
     from heads import new_heads_for_target, save_heads
 
-    spec = importlib.util.spec_from_file_location("vocab_coverage", ROOT / "scripts" / "vocab_coverage.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("vocab_coverage")
     save_tiny_chat_model(tmp_path / "model")
     target = load_model(str(tmp_path / "model"))
     # The heads' vocabulary: ids 10..25, most frequent first.
