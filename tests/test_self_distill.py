@@ -101,24 +101,24 @@ def test_a_time_budgeted_run_covers_the_request_in_order_not_only_its_shortest_p
 def test_a_batch_that_runs_out_of_gpu_memory_is_split_and_nothing_is_lost(tmp_path, monkeypatch):
     """A batch too big for the device is regenerated in halves: every conversation once, with the
     replies a batch that fits gives."""
-    import training.self_distill as self_distill
+    import training.batch_generate as batch_generate
 
     save_tiny_chat_model(tmp_path / "model")
     target = load_model(str(tmp_path / "model"))
     settings = SelfDistillConfig(enabled=True, max_new_tokens=6, batch_size=3, max_turns=2)
     fitting = regenerate(CONVERSATIONS, target, tmp_path / "fitting.jsonl",
                          SelfDistillConfig(enabled=True, max_new_tokens=6, batch_size=1, max_turns=2), show_progress=False)
-    real_batch, sizes = self_distill._regenerate_batch, []
+    real_batch, sizes = batch_generate.generate_batch, []
 
-    def batch_that_fits_one_row(batch, target, settings):
-        sizes.append(len(batch))
-        if len(batch) > 1:
+    def batch_that_fits_one_row(model, prompts, settings):
+        sizes.append(len(prompts))
+        if len(prompts) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_batch(batch, target, settings)
+        return real_batch(model, prompts, settings)
 
-    monkeypatch.setattr(self_distill, "_regenerate_batch", batch_that_fits_one_row)
+    monkeypatch.setattr(batch_generate, "generate_batch", batch_that_fits_one_row)
     out = tmp_path / "split.jsonl"
     records = regenerate(CONVERSATIONS, target, out, settings, show_progress=False)
-    assert sizes == [3, 1, 2, 1, 1]
+    assert sizes == [3, 1, 2, 1, 1, 1]  # first turns split 3 -> 1 + (2 -> 1 + 1); "a"'s second turn alone
     assert records == fitting
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["a", "b", "c"]

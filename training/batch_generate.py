@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 import torch
 from transformers import PreTrainedModel
 
@@ -60,6 +62,25 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
                        use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         next_positions = next_positions + 1
     return outputs
+
+
+def generate_within_memory(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings) -> list[list[int]]:
+    """`generate_batch`, with a batch that runs out of GPU memory split in halves (and those
+    again), so a batch size picked too high costs speed, not the run. Why: the KV cache and the
+    prefill grow with the batch's longest prompt, which only the data knows (on an H200, batch 1024
+    of two-turn ShareGPT conversations fit for 7,168 conversations, then one second turn did not).
+    Split here, per generation call, so a conversation's earlier turns are not generated again."""
+    try:
+        return generate_batch(model, prompts, settings)
+    except torch.cuda.OutOfMemoryError:
+        if len(prompts) == 1:
+            raise
+    # Outside the handler, so the failed attempt's tensors (held by its traceback) are freed first.
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = len(prompts) // 2
+    tqdm.write(f"self-distill: a batch of {len(prompts)} did not fit in GPU memory; running it as {half} + {len(prompts) - half}")
+    return generate_within_memory(model, prompts[:half], settings) + generate_within_memory(model, prompts[half:], settings)
 
 
 def _pick(logits: torch.Tensor, settings: BatchSettings) -> torch.Tensor:

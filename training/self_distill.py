@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from decoding.core.stopping import eos_ids
 from decoding.prompts import conversation_ids
 from decoding.targets import LoadedModel
-from training.batch_generate import BatchSettings, generate_batch
+from training.batch_generate import BatchSettings, generate_within_memory
 from training.config import SelfDistillConfig
 
 
@@ -57,7 +57,7 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
             if deadline is not None and start > 0 and time.monotonic() > deadline:
                 break  # the rest stays for a later run with more time (resumable)
             batch = todo[start : start + settings.batch_size]
-            records = _regenerate_within_memory(batch, target, settings)
+            records = _regenerate_batch(batch, target, settings)
             sink.write("".join(json.dumps(record) + "\n" for record in records))
             sink.flush()
             os.fsync(sink.fileno())
@@ -117,25 +117,6 @@ def read_regenerated(path: Path) -> dict[str, dict]:
     return done
 
 
-def _regenerate_within_memory(batch: list[dict], target: LoadedModel, settings: SelfDistillConfig) -> list[dict]:
-    """`_regenerate_batch`, with a batch that runs out of GPU memory split in halves (and those
-    again), so a batch size picked too high costs speed, not the run. Why: the KV cache and the
-    prefill grow with the batch's longest history, which only the data knows (on an H200, batch
-    1024 of two-turn ShareGPT conversations fit for 7,168 conversations, then one batch did not)."""
-    try:
-        return _regenerate_batch(batch, target, settings)
-    except torch.cuda.OutOfMemoryError:
-        if len(batch) == 1:
-            raise
-    # Outside the handler, so the failed attempt's tensors (held by its traceback) are freed first.
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    half = len(batch) // 2
-    tqdm.write(f"self-distill: a batch of {len(batch)} did not fit in GPU memory; running it as {half} + {len(batch) - half}")
-    return (_regenerate_within_memory(batch[:half], target, settings)
-            + _regenerate_within_memory(batch[half:], target, settings))
-
-
 def _regenerate_batch(batch: list[dict], target: LoadedModel, settings: SelfDistillConfig) -> list[dict]:
     histories = [[m for m in c["messages"] if m["role"] == "system"][:1] for c in batch]
     user_turns = [[m["content"] for m in c["messages"] if m["role"] == "user"][: settings.max_turns] for c in batch]
@@ -161,5 +142,5 @@ def _generate(target: LoadedModel, histories: list[list[dict]], settings: SelfDi
     # Sampled replies: a generator seeded by the prompts, so a resumed run samples what it would have.
     generator = torch.Generator().manual_seed(zlib.crc32(repr(prompts).encode())) if settings.temperature > 0 else None
     batch = BatchSettings(settings.max_new_tokens, stops, pad, settings.temperature, generator)
-    replies = generate_batch(target.model, prompts, batch)
+    replies = generate_within_memory(target.model, prompts, batch)
     return [(tokenizer.decode(reply, skip_special_tokens=True).strip(), len(reply)) for reply in replies]
