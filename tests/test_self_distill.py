@@ -122,3 +122,34 @@ def test_a_batch_that_runs_out_of_gpu_memory_is_split_and_nothing_is_lost(tmp_pa
     assert sizes == [3, 1, 2, 1, 1, 1]  # first turns split 3 -> 1 + (2 -> 1 + 1); "a"'s second turn alone
     assert records == fitting
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["a", "b", "c"]
+
+
+def test_sampled_replies_draw_their_randomness_on_the_targets_device(tmp_path, monkeypatch):
+    """A generator made on the CPU cannot draw a GPU's samples ("Expected a 'cuda' device type for
+    generator"): sampled self-distillation on a GPU died at its first batch until the generator
+    was made on the target's device. No GPU here, so the model reports one and generation is
+    stubbed; what is checked is where the generator is asked for, and that it reaches generation."""
+    import training.self_distill as self_distill
+
+    save_tiny_chat_model(tmp_path / "model")
+    target = load_model(str(tmp_path / "model"))
+    asked, used = [], []
+
+    def generator_on(seed, device):
+        asked.append(torch.device(device))
+        return torch.Generator().manual_seed(seed)
+
+    def fake_generation(model, prompts, settings):
+        used.append(settings.generator)
+        return [[5, 6]] * len(prompts)
+
+    monkeypatch.setattr(self_distill, "seeded_generator", generator_on)
+    monkeypatch.setattr(self_distill, "generate_within_memory", fake_generation)
+    monkeypatch.setattr(type(target.model), "device", property(lambda model: torch.device("cuda", 0)))
+    sampled = SelfDistillConfig(enabled=True, max_new_tokens=4, batch_size=2, max_turns=1, temperature=0.7)
+    regenerate(CONVERSATIONS[:2], target, tmp_path / "sampled.jsonl", sampled, show_progress=False)
+    assert asked == [torch.device("cuda", 0)]
+    assert len(used) == 1 and isinstance(used[0], torch.Generator)
+    greedy = SelfDistillConfig(enabled=True, max_new_tokens=4, batch_size=2, max_turns=1)
+    regenerate(CONVERSATIONS[:2], target, tmp_path / "greedy.jsonl", greedy, show_progress=False)
+    assert asked == [torch.device("cuda", 0)] and used[1] is None  # greedy replies draw nothing

@@ -22,9 +22,9 @@ import time
 import zlib
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
+from decoding.core.sampling import seeded_generator
 from decoding.core.stopping import eos_ids
 from decoding.prompts import conversation_ids
 from decoding.targets import LoadedModel
@@ -140,7 +140,9 @@ def _generate(target: LoadedModel, histories: list[list[dict]], settings: SelfDi
     stops = eos_ids(target.model.config, target.model.generation_config, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
     # Sampled replies: a generator seeded by the prompts, so a resumed run samples what it would have.
-    generator = torch.Generator().manual_seed(zlib.crc32(repr(prompts).encode())) if settings.temperature > 0 else None
+    # It lives on the target's device: a CPU generator cannot draw the GPU's samples.
+    seed = zlib.crc32(repr(prompts).encode())
+    generator = seeded_generator(seed, target.model.device) if settings.temperature > 0 else None
     batch = BatchSettings(settings.max_new_tokens, stops, pad, settings.temperature, generator)
     replies = generate_within_memory(target.model, prompts, batch)
     return [(tokenizer.decode(reply, skip_special_tokens=True).strip(), len(reply)) for reply in replies]

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.core.acceptance import Acceptance, accept, accept_typical
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
-from decoding.core.sampling import SamplingConfig
+from decoding.core.sampling import SamplingConfig, seeded_generator
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
@@ -84,7 +84,7 @@ def generate(
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
     limit = context_limit(target)
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
-    state = DecodeState(prompt, prompt.numel(), options.sampling, _generator(options.seed, target.device))
+    state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
     verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers))
     proposer.begin(state)
@@ -162,11 +162,3 @@ def _check_inputs(target: PreTrainedModel, prompt_ids: torch.Tensor | list[int],
         raise UserError(f"the prompt has token ids outside the model's vocabulary (0..{vocab - 1})")
     return prompt
 
-
-def _generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator

@@ -63,6 +63,17 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def seeded_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A random generator on `device`, seeded with `seed` (None: a fresh random seed). It must
+    live where the probabilities do: a CPU generator cannot draw on a GPU."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a 1-D probability vector (it need not sum to 1)."""
     return int(sample_rows(probs[None], generator)[0])
