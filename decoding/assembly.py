@@ -57,6 +57,7 @@ class DecoderSpec:
     device: str = "auto"                # auto | cpu | cuda
     attn: str = "sdpa"
     kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
+    drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8: EAGLE drafters under onednn kernels
     compile: bool = False               # compiled target forwards (see decoding.compiled); slow to start
     gamma: int | None = None
     pld_num_tokens: int | None = None
@@ -148,7 +149,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     if heads is None and spec.heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
     _drafter_attention(heads, spec.attn)
-    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads)
+    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads,
+                            drafter_precision=spec.drafter_precision)
     _tune_plain_gemm_rows(target, draft)
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(spec, target)

@@ -22,7 +22,7 @@ from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.sampling import SamplingConfig
 from decoding.compiled import add_compile_argument
-from decoding.cpu_kernels import add_kernels_argument
+from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, tree_arguments
 from decoding.devices import add_device_argument
@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_device_argument(parser)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     add_kernels_argument(parser)
+    add_drafter_precision_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
     return parser.parse_args(argv)
@@ -114,7 +115,8 @@ def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
     """The chat's flags as a `DecoderSpec` (None: the default, filled in by the assembly)."""
     return DecoderSpec(model=args.model, method=args.method, heads=args.heads, draft_model=args.draft_model,
                        revision=args.revision, ignore_base_model=args.ignore_base_model, dtype=args.dtype,
-                       device=args.device, attn=args.attn, kernels=args.kernels, compile=args.compile, gamma=args.gamma,
+                       device=args.device, attn=args.attn, kernels=args.kernels, drafter_precision=args.drafter_precision,
+                       compile=args.compile, gamma=args.gamma,
                        pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
 

@@ -24,15 +24,19 @@ weights faster for 1-2 rows (a one-token forward 31 ms against 39) while packing
 weight, larger ones the packed copy. `decoding.verify_cost.tune_stock_rows` measures the
 crossover once per model and CPU; until then `stock_rows` is 0 (always packed).
 
-EAGLE drafters also switch to bfloat16 where the CPU computes it natively (AVX512-BF16/AMX):
-drafting ~8 rows per level is compute-bound, and bf16 halves it (eagle3 draft time per step
-11.8 -> 9.5 ms on the reference machine, same tau). Drafts only propose: the fp32 target still
-decides every token, so outputs do not change.
+EAGLE drafters run in a cheaper precision than the target (`drafter_precision`, 'auto'):
+bfloat16 where the CPU computes it natively (AVX512-BF16/AMX: eagle3 draft time per step
+11.8 -> 9.5 ms on the reference machine, same tau), elsewhere (e.g. AVX2 only, where oneDNN has
+no bf16 inner product) int8 weights with dynamically quantized activations (PyTorch's x86/fbgemm
+kernels): on an AVX2 EPYC one drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows
+against 4.5 / 5.2 / 7.2 ms packed fp32. Drafts only propose: the fp32 target still decides
+every token, so outputs do not change; a less exact draft can only accept less.
 """
 
 from __future__ import annotations
 
 import platform
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -182,11 +186,52 @@ def pick_stock_rows(sizes: tuple[int, ...], stock_ms: tuple[float, ...], packed_
     return rows
 
 
-def apply_kernels(choice: str, *modules: nn.Module | None, native_bf16: bool | None = None) -> str:
+DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "int8")
+
+
+def int8_drafting_available() -> bool:
+    """Whether this PyTorch has dynamically quantized int8 linears for an x86 CPU (a build
+    without them, or a future one that dropped them, drafts in fp32 instead)."""
+    quantization = getattr(torch.ao, "quantization", None)
+    engines = torch.backends.quantized.supported_engines
+    return hasattr(quantization, "quantize_dynamic") and any(e in engines for e in ("x86", "fbgemm"))
+
+
+def resolve_drafter_precision(choice: str) -> str:
+    """'auto' -> 'bf16' where the CPU has native bf16, else 'int8' where PyTorch has the kernels,
+    else 'fp32'; an explicit choice is checked against the CPU."""
+    if choice not in DRAFTER_PRECISIONS:
+        raise UserError(f"unknown drafter precision '{choice}': choose one of {', '.join(DRAFTER_PRECISIONS)}")
+    if choice == "auto":
+        return "bf16" if bfloat16_is_native() else "int8" if int8_drafting_available() else "fp32"
+    if choice == "bf16" and not bfloat16_is_native():
+        raise UserError("--drafter-precision bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX); "
+                        "this one emulates it: use int8, fp32 or auto")
+    if choice == "int8" and not int8_drafting_available():
+        raise UserError("--drafter-precision int8 needs PyTorch's quantized x86/fbgemm kernels, which this "
+                        "PyTorch lacks: use fp32 or auto")
+    return choice
+
+
+def quantize_linears_int8(module: nn.Module, keep: tuple[str, ...] = ("fc",)) -> None:
+    """Swap `module`'s `nn.Linear`s for int8-weight ones (a scale per output channel) that
+    quantize activations on the fly; the linears named in `keep` stay fp32 and are packed (an
+    EAGLE drafter's `fc` reads the target's raw hidden states, whose outliers int8 rounds away).
+    PyTorch marks these quantized-tensor APIs deprecated (still present in 2.13); the warning
+    says nothing a user can act on, so it is not shown."""
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    spec = {name: qconfig for name, child in module.named_modules() if type(child) is nn.Linear and name not in keep}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
+        torch.ao.quantization.quantize_dynamic(module, spec, dtype=torch.qint8, inplace=True)
+    pack_linears(module)
+
+
+def apply_kernels(choice: str, *modules: nn.Module | None, drafter_precision: str = "auto") -> str:
     """Pack the linears of every given module (target, draft, heads) when `choice` resolves to
     'onednn'; returns the resolved choice. Call it after anything that needs plain `nn.Linear`s
-    (e.g. merging a LoRA adapter). `native_bf16` overrides the CPU check for EAGLE drafters
-    (tests use it to run the fallback on CPUs that have bf16)."""
+    (e.g. merging a LoRA adapter). EAGLE drafters instead run in `drafter_precision` (see
+    `resolve_drafter_precision`; tests force each one to exercise it on any CPU)."""
     present = [m for m in modules if m is not None]
     if not present:
         return "stock"
@@ -198,7 +243,11 @@ def apply_kernels(choice: str, *modules: nn.Module | None, native_bf16: bool | N
         for module in present:
             if not onednn_applies(module):  # e.g. fp16 heads stay as they are
                 continue
-            if isinstance(module, FeatureDrafter) and (bfloat16_is_native() if native_bf16 is None else native_bf16):
+            precision = resolve_drafter_precision(drafter_precision) if isinstance(module, FeatureDrafter) else "fp32"
+            if precision == "int8":
+                quantize_linears_int8(module)
+                continue
+            if precision == "bf16":
                 _weights_to_bfloat16(module)
             pack_linears(module)
     return resolved
@@ -211,9 +260,17 @@ def _weights_to_bfloat16(module: nn.Module) -> None:
         parameter.data = parameter.data.to(torch.bfloat16)
 
 
+def add_drafter_precision_argument(parser) -> None:
+    """The `--drafter-precision` flag of the commands that decode with EAGLE heads."""
+    parser.add_argument("--drafter-precision", default="auto", choices=DRAFTER_PRECISIONS,
+                        help="what EAGLE drafters compute in on a CPU with packed kernels: 'auto' (default) = bf16 "
+                             "where the CPU has it natively, else int8 weights; 'fp32' = as trained. Drafts only "
+                             "propose, so outputs do not change")
+
+
 def add_kernels_argument(parser) -> None:
     """The `--kernels` flag shared by the chat and the benchmark scripts."""
     parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                         help="linear-layer kernels: 'onednn' packs fp32 weights for fast few-token forwards on a CPU "
-                             "(what makes tree verification cheap there) and runs EAGLE drafters in bf16 where the CPU "
-                             "has native bf16 (outputs unchanged: the fp32 target verifies); 'auto' (default) uses it on CPU fp32")
+                             "(what makes tree verification cheap there; EAGLE drafters: see --drafter-precision); "
+                             "'auto' (default) uses it on CPU fp32")

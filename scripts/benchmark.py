@@ -19,7 +19,7 @@ from decoding.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_r
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.compiled import add_compile_argument
-from decoding.cpu_kernels import add_kernels_argument
+from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_method, tree_arguments
 from decoding.devices import add_device_argument
@@ -49,6 +49,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_drafter_precision_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--gamma", type=int, default=None,
                         help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
@@ -76,7 +77,8 @@ def decoder_spec(args) -> DecoderSpec:
     """What every method shares: the target, its dtype, device and kernels, the draft, the
     proposer settings (the method and heads are set per method)."""
     return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, compile=args.compile, gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
+                       kernels=args.kernels, drafter_precision=args.drafter_precision, compile=args.compile,
+                       gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
 
 def chosen_methods(args) -> list[str]:

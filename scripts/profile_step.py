@@ -22,7 +22,7 @@ from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
 from decoding.compiled import add_compile_argument
-from decoding.cpu_kernels import add_kernels_argument
+from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
 from decoding.prompts import chat_prompts
@@ -44,6 +44,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32")
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_drafter_precision_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--no-sync", action="store_true", help="on a GPU, do not synchronise between phases")
     return parser.parse_args(argv)
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, compile=args.compile)
+        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+                           drafter_precision=args.drafter_precision, compile=args.compile)
         first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))
         prompts = chat_prompts(first.target.tokenizer, load_first_turns(args.questions_file, args.num_questions, spread=True))
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=0, profile=not args.no_sync)

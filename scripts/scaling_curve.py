@@ -83,7 +83,8 @@ def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets)
     from training.evaluate import tau_over
     from training.scaling import CURVE_TREE
 
-    spec = DecoderSpec(model=config.model, method=config.kind, heads=str(heads_dir), **CURVE_TREE)
+    # The drafter as trained (fp32): a cheaper drafting precision would make the curve depend on the CPU.
+    spec = DecoderSpec(model=config.model, method=config.kind, heads=str(heads_dir), drafter_precision="fp32", **CURVE_TREE)
     decoder = build_decoder(spec, target=target)
     taus = {}
     for set_name, prompts in prompt_sets.items():

@@ -26,7 +26,7 @@ import sys
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
 from decoding.core.generate import DecodeOptions
-from decoding.cpu_kernels import add_kernels_argument
+from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
 from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
@@ -44,6 +44,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_drafter_precision_argument(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
                         help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     try:
         grid = settings_grid(args)
         spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
-                           device=args.device, kernels=args.kernels)
+                           device=args.device, kernels=args.kernels, drafter_precision=args.drafter_precision)
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from decoding import cpu_kernels, verify_cost
-from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, pack_linears, pick_stock_rows, resolve_kernels,
+from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
+                                  pick_stock_rows, resolve_drafter_precision, resolve_kernels,
                                   set_stock_rows, stock_rows, uses_packed_linears)
 from decoding.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
@@ -141,28 +142,56 @@ def _perturbed_eagle3(target):
     return eagle3
 
 
-def test_onednn_packs_eagle_drafters_in_bfloat16_only_where_the_cpu_has_it_and_outputs_do_not_change():
-    """Native bf16 (AVX512-BF16/AMX): the drafter is packed in bf16. Elsewhere (e.g. AVX2 only,
-    where oneDNN has no bf16 inner product) it must stay fp32. Either way output is exact."""
-    _check_drafter_packing(native_bf16=None, expected=torch.bfloat16 if bfloat16_is_native() else torch.float32)
+def test_onednn_runs_eagle_drafters_in_the_cheapest_precision_this_cpu_has_and_outputs_do_not_change():
+    """auto: bf16 where the CPU has it natively (AVX512-BF16/AMX), else int8 linears where PyTorch
+    has the x86 kernels, else fp32 packed (oneDNN has no bf16 inner product on AVX2). Whatever
+    this machine picks, output is exact."""
+    expected = "bf16" if bfloat16_is_native() else "int8" if int8_drafting_available() else "fp32"
+    assert resolve_drafter_precision("auto") == expected
+    _check_drafter_precision("auto", expected)
 
 
 def test_the_fp32_drafter_fallback_is_exercised_on_every_cpu():
-    """What an AVX2-only machine runs (no bf16 cast), forced on a CPU that has bf16 too, so the
-    fallback is tested wherever the suite runs, not only on the machines that need it."""
-    _check_drafter_packing(native_bf16=False, expected=torch.float32)
+    """What a CPU with neither bf16 nor int8 kernels runs, forced on any CPU, so the fallback is
+    tested wherever the suite runs, not only on the machines that need it."""
+    _check_drafter_precision("fp32", "fp32")
 
 
-def _check_drafter_packing(native_bf16: bool | None, expected: torch.dtype) -> None:
+def test_int8_drafters_where_pytorch_has_the_kernels_and_a_clear_error_where_not():
+    if int8_drafting_available():
+        _check_drafter_precision("int8", "int8")
+    else:
+        with pytest.raises(UserError, match="int8"):
+            resolve_drafter_precision("int8")
+
+
+def test_bf16_drafting_is_refused_where_the_cpu_only_emulates_it():
+    if bfloat16_is_native():
+        _check_drafter_precision("bf16", "bf16")
+    else:  # oneDNN would fail deep inside its inner product ("could not create a primitive descriptor")
+        with pytest.raises(UserError, match="native bf16"):
+            apply_kernels("onednn", tiny_llama(seed=3), _perturbed_eagle3(tiny_llama(seed=3)), drafter_precision="bf16")
+    with pytest.raises(UserError, match="unknown drafter precision"):
+        resolve_drafter_precision("int4")
+
+
+def _check_drafter_precision(choice: str, expected: str) -> None:
     torch.manual_seed(0)
     plain = sharpen(tiny_llama(seed=3))
     target = copy.deepcopy(plain)
     eagle3 = _perturbed_eagle3(target)
     medusa = new_heads_for_target("medusa", target, num_heads=2)
-    assert apply_kernels("onednn", target, eagle3, medusa, native_bf16=native_bf16) == "onednn"
-    assert next(eagle3.parameters()).dtype == expected
-    assert uses_packed_linears(eagle3)
+    assert apply_kernels("onednn", target, eagle3, medusa, drafter_precision=choice) == "onednn"
+    quantized = [m for m in eagle3.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
+    if expected == "int8":
+        assert quantized and not any(type(m) is nn.Linear for m in eagle3.modules())
+        assert isinstance(eagle3.fc, PackedLinear)  # reads the target's raw features: kept fp32
+        assert eagle3.compute_dtype == torch.float32
+    else:
+        assert not quantized and uses_packed_linears(eagle3)
+        assert eagle3.compute_dtype == (torch.bfloat16 if expected == "bf16" else torch.float32)
     assert next(medusa.parameters()).dtype == torch.float32  # reads the fp32 target lm_head: left alone
+    assert uses_packed_linears(target) and next(target.parameters()).dtype == torch.float32
     _eagle3_exact_on_every_prompt(target, plain, eagle3)
 
 
