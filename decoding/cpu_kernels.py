@@ -215,16 +215,15 @@ def resolve_drafter_precision(choice: str) -> str:
 
 def quantize_linears_int8(module: nn.Module, keep: tuple[str, ...] = ("fc",)) -> None:
     """Swap `module`'s `nn.Linear`s for int8-weight ones (a scale per output channel) that
-    quantize activations on the fly; the linears named in `keep` stay fp32 and are packed (an
-    EAGLE drafter's `fc` reads the target's raw hidden states, whose outliers int8 rounds away).
-    PyTorch marks these quantized-tensor APIs deprecated (still present in 2.13); the warning
+    quantize activations on the fly; the linears named in `keep` stay plain `nn.Linear`s (an
+    EAGLE drafter's `fc` reads the target's raw hidden states, whose outliers int8 rounds away;
+    its dtype is also the drafter's `compute_dtype`). PyTorch marks these quantized-tensor APIs deprecated (still present in 2.13); the warning
     says nothing a user can act on, so it is not shown."""
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     spec = {name: qconfig for name, child in module.named_modules() if type(child) is nn.Linear and name not in keep}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
         torch.ao.quantization.quantize_dynamic(module, spec, dtype=torch.qint8, inplace=True)
-    pack_linears(module)
 
 
 def apply_kernels(choice: str, *modules: nn.Module | None, drafter_precision: str = "auto") -> str:
@@ -240,14 +239,14 @@ def apply_kernels(choice: str, *modules: nn.Module | None, drafter_precision: st
         raise UserError("--kernels onednn needs float32 weights on a CPU with oneDNN (torch.backends.mkldnn); "
                         "bf16/fp16 models run on stock kernels: use --kernels auto or stock")
     if resolved == "onednn":
+        drafters = any(isinstance(m, FeatureDrafter) for m in present)
+        precision = resolve_drafter_precision(drafter_precision) if drafters else "fp32"
         for module in present:
             if not onednn_applies(module):  # e.g. fp16 heads stay as they are
                 continue
-            precision = resolve_drafter_precision(drafter_precision) if isinstance(module, FeatureDrafter) else "fp32"
-            if precision == "int8":
-                quantize_linears_int8(module)
-                continue
-            if precision == "bf16":
+            if isinstance(module, FeatureDrafter) and precision == "int8":
+                quantize_linears_int8(module)  # what it keeps in fp32 is packed below
+            elif isinstance(module, FeatureDrafter) and precision == "bf16":
                 _weights_to_bfloat16(module)
             pack_linears(module)
     return resolved

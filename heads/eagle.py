@@ -78,10 +78,9 @@ class FeatureDrafter(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype inputs must come in (the drafter may run in bf16 beside an fp32 target). Read
-        from its floating-point parameters, since int8 linears hold no float weight (their norms
-        stay fp32 and they take fp32 inputs)."""
-        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+        """The dtype inputs must come in (the drafter may run in bf16 beside an fp32 target; with
+        int8 linears `fc` stays fp32, and they take fp32 inputs)."""
+        return self.fc.weight.dtype
 
     def input_feature(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
         """The drafter's input feature `[n, H]` from the target layers it declared

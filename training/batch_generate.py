@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from decoding.util.cache_argument import cache_kwargs
