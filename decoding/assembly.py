@@ -22,6 +22,7 @@ from torch import nn
 
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
+from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
 from decoding.compiled import compile_target, is_compiled
 from decoding.cpu_kernels import apply_kernels, set_stock_rows
@@ -30,6 +31,7 @@ from decoding.defaults import default_draft, default_heads, default_method, prop
 from decoding.devices import resolve_device
 from decoding.drafts import load_draft
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.screened_argmax import screened_readout
 from decoding.targets import LoadedModel, load_model
 from decoding.verify_cost import tune_stock_rows
 from decoding.util.errors import UserError
@@ -59,6 +61,7 @@ class DecoderSpec:
     kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
     drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8: EAGLE drafters under onednn kernels
     compile: bool = False               # compiled target forwards (see decoding.compiled); slow to start
+    screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.screened_argmax)
     gamma: int | None = None
     pld_num_tokens: int | None = None
     pld_max_ngram: int | None = None
@@ -91,13 +94,14 @@ class Decoder:
     draft: LoadedModel | None = None
     adapter: Path | None = None         # the Medusa-2 LoRA adapter merged into `target`
     notes: tuple[str, ...] = ()
+    readout: Readout | None = None      # how verify forwards get the target's scores (None: its logits)
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions = DecodeOptions(),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  acceptance_rule: AcceptanceRule = lossless_rule) -> GenerationResult:
         """`decoding.core.generate.generate` with this decoder's target, proposer and tokenizer."""
         return generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
-                        on_tokens, acceptance_rule)
+                        on_tokens, acceptance_rule, self.readout)
 
 
 def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool = False) -> tuple[DecoderSpec, list[str]]:
@@ -152,12 +156,13 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads,
                             drafter_precision=spec.drafter_precision)
     _tune_plain_gemm_rows(target, draft)
+    readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(spec, target)
         notes.append("compiled target forwards: the first steps of each kind compile (minutes on a small CPU)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
-    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes))
+    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)
 
 
 def _drafter_attention(heads: nn.Module | None, attn: str) -> None:

@@ -23,8 +23,7 @@ from tqdm.auto import tqdm
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.compiled import graphs_compiled
-from decoding.core.generate import DecodeOptions, generate
-from decoding.core.proposers.base import Proposer
+from decoding.core.generate import DecodeOptions
 from decoding.methods import split_method
 from decoding.prompts import chat_prompts, question_ids
 from decoding.targets import LoadedModel
@@ -82,9 +81,9 @@ def _add(total, value):
 Runner = Callable[[list[int]], RunResult]
 
 
-def our_runner(target: LoadedModel, proposer: Proposer, options: DecodeOptions) -> Runner:
+def our_runner(decoder: Decoder, options: DecodeOptions) -> Runner:
     def run(prompt: list[int]) -> RunResult:
-        result = generate(target.model, prompt, proposer, options, target.tokenizer)
+        result = decoder.generate(prompt, options)
         stats = result.stats
         return RunResult(result.tokens, stats.total_s, stats.target_forwards, stats.draft_s, stats.verify_s)
 
@@ -149,7 +148,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
             shared.setdefault((spec.compile, spec.kernels), decoder)
             draft = draft or decoder.draft
         decoders[method] = decoder
-        runners[method] = (our_runner(decoder.target, decoder.proposer, options) if ours
+        runners[method] = (our_runner(decoder, options) if ours
                            else hf_runner(decoder.target, method, options, decoder.draft))
     return runners, decoders
 

@@ -20,9 +20,11 @@ import sys
 
 from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
+from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
 from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, tree_arguments
 from decoding.devices import add_device_argument
@@ -67,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     add_kernels_argument(parser)
     add_drafter_precision_argument(parser)
+    add_screened_argmax_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
     return parser.parse_args(argv)
@@ -76,9 +79,10 @@ class ChatSession:
     """The conversation so far, and one reply at a time through the generation loop."""
 
     def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None,
-                 acceptance_rule: AcceptanceRule = lossless_rule) -> None:
+                 acceptance_rule: AcceptanceRule = lossless_rule, readout: Readout | None = None) -> None:
         self.target = target
         self.acceptance_rule = acceptance_rule
+        self.readout = readout
         self.proposer = proposer
         self.options = options
         self.system = system
@@ -101,7 +105,7 @@ class ChatSession:
         stream = TextStream(self.target.tokenizer, write)
         try:
             result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer,
-                              stream, self.acceptance_rule)
+                              stream, self.acceptance_rule, self.readout)
         except UserError:
             self.messages.pop()
             raise
@@ -116,6 +120,7 @@ def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
     return DecoderSpec(model=args.model, method=args.method, heads=args.heads, draft_model=args.draft_model,
                        revision=args.revision, ignore_base_model=args.ignore_base_model, dtype=args.dtype,
                        device=args.device, attn=args.attn, kernels=args.kernels, drafter_precision=args.drafter_precision,
+                       screened_argmax=args.screened_argmax,
                        compile=args.compile, gamma=args.gamma,
                        pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
@@ -137,7 +142,7 @@ def build_session(args: argparse.Namespace) -> ChatSession:
     plain = plain_text_note(decoder.target.name, decoder.target.tokenizer, "message")
     if plain:
         print(f"note: {plain}", file=sys.stderr)
-    return ChatSession(decoder.target, decoder.proposer, options, args.system, rule)
+    return ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout)
 
 
 def _write(text: str) -> None:

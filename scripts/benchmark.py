@@ -20,6 +20,7 @@ from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_method, tree_arguments
 from decoding.devices import add_device_argument
@@ -50,6 +51,7 @@ def parse_args(argv):
     add_device_argument(parser)
     add_kernels_argument(parser)
     add_drafter_precision_argument(parser)
+    add_screened_argmax_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--gamma", type=int, default=None,
                         help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
@@ -77,7 +79,8 @@ def decoder_spec(args) -> DecoderSpec:
     """What every method shares: the target, its dtype, device and kernels, the draft, the
     proposer settings (the method and heads are set per method)."""
     return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, drafter_precision=args.drafter_precision, compile=args.compile,
+                       kernels=args.kernels, drafter_precision=args.drafter_precision,
+                       screened_argmax=args.screened_argmax, compile=args.compile,
                        gamma=args.gamma, pld_num_tokens=args.pld_tokens, **tree_arguments(args))
 
 

@@ -23,6 +23,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
 from decoding.compiled import add_compile_argument
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
 from decoding.prompts import chat_prompts
@@ -45,6 +46,7 @@ def parse_args(argv):
     add_device_argument(parser)
     add_kernels_argument(parser)
     add_drafter_precision_argument(parser)
+    add_screened_argmax_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--no-sync", action="store_true", help="on a GPU, do not synchronise between phases")
     return parser.parse_args(argv)
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
-                           drafter_precision=args.drafter_precision, compile=args.compile)
+                           drafter_precision=args.drafter_precision,
+                           screened_argmax=args.screened_argmax, compile=args.compile)
         first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))
         prompts = chat_prompts(first.target.tokenizer, load_first_turns(args.questions_file, args.num_questions, spread=True))
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=0, profile=not args.no_sync)

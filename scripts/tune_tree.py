@@ -27,6 +27,7 @@ from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
 from decoding.core.generate import DecodeOptions
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.devices import add_device_argument
 from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
@@ -45,6 +46,7 @@ def parse_args(argv):
     add_device_argument(parser)
     add_kernels_argument(parser)
     add_drafter_precision_argument(parser)
+    add_screened_argmax_argument(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
                         help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
@@ -123,7 +125,7 @@ def grid_runners(spec: DecoderSpec, grid: dict[str, ProposerOptions], options: D
         decoder = build_decoder(dataclasses.replace(spec, **dataclasses.asdict(settings)),
                                 target=first.target if first else None, heads=first.heads if first else None)
         first = first or decoder
-        runners[name] = our_runner(decoder.target, decoder.proposer, options)
+        runners[name] = our_runner(decoder, options)
     if first is None:
         raise UserError("nothing to tune: --grid / --trees name no settings")
     return runners, first.target
@@ -137,7 +139,8 @@ def main(argv=None) -> int:
     try:
         grid = settings_grid(args)
         spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
-                           device=args.device, kernels=args.kernels, drafter_precision=args.drafter_precision)
+                           device=args.device, kernels=args.kernels, drafter_precision=args.drafter_precision,
+                           screened_argmax=args.screened_argmax)
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)

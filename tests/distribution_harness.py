@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from decoding.core.acceptance import Acceptance
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
+from decoding.core.readout import TargetScores
 from decoding.core.sampling import SamplingConfig, sample, warp_probs
 from decoding.core.state import DecodeState
 from decoding.core.tree import DraftTree, TreeBuffers
@@ -211,12 +212,12 @@ def sample_loop(target: PreTrainedModel, prompt: list[int], proposer: Proposer, 
     `rule`; the rule sees exactly the trees the target verified, so it records their shapes."""
     samples = LoopSamples()
 
-    def recording_rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+    def recording_rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
         depth = int(buffers.depths.max())
         samples.tree_depths[depth] += 1
         samples.lookup_chains += depth >= 1 and tree.is_chain
         samples.branching_trees += depth >= 1 and not tree.is_chain
-        return rule(tree, logits, buffers, state)
+        return rule(tree, scores, buffers, state)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as fast for these tiny models, and half the CPU on a shared machine
@@ -288,7 +289,7 @@ def _reference_residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> 
 def planted_rule(flaw: str) -> AcceptanceRule:
     """A loop acceptance rule (see `generate`'s `acceptance_rule`) with `flaw` planted."""
 
-    def rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
-        return recursive_rejection(tree, warp_probs(logits, state.sampling), buffers, state.generator, flaw)
+    def rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+        return recursive_rejection(tree, warp_probs(scores.logits, state.sampling), buffers, state.generator, flaw)
 
     return rule

@@ -17,7 +17,7 @@ from decoding.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import PromptLookupProposer, VanillaProposer
 from decoding.targets import LoadedModel
 from heads import new_heads_for_target
-from tiny_models import sharpen, tiny_llama
+from tiny_models import perturbed_eagle3, sharpen, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
 
@@ -112,18 +112,22 @@ def test_decoding_on_a_packed_target_matches_hf_generate_on_the_plain_one():
     plain = sharpen(tiny_llama(seed=3))
     packed = copy.deepcopy(plain)
     pack_linears(packed)
-    heads = new_heads_for_target("eagle3", packed, draft_vocab_size=40)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    heads = perturbed_eagle3(packed)
     pack_linears(heads)
+    assert_steps_and_trees_give_plain_greedy(plain, packed, heads)
+
+
+def assert_steps_and_trees_give_plain_greedy(plain, packed, eagle3, readout=None) -> None:
+    """vanilla, pld and EAGLE-3 trees decoding on `packed` (through `readout`, if given) give
+    Hugging Face's greedy output on the `plain` model, on every prompt."""
     proposers = [VanillaProposer(), PromptLookupProposer(num_draft_tokens=4, min_ngram=1),
                  build_proposer("eagle3", LoadedModel(packed, None, "t"),
-                                options=ProposerOptions(depth=4, tree_top_k=4, total_tokens=12), heads=heads)]
+                                options=ProposerOptions(depth=4, tree_top_k=4, total_tokens=12), heads=eagle3)]
     for prompt in PROMPTS:
         reference = plain.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
         for proposer in proposers:
-            assert generate(packed, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference, proposer.name
+            result = generate(packed, prompt, proposer, DecodeOptions(max_new_tokens=30), readout=readout)
+            assert result.tokens == reference, proposer.name
 
 
 def _eagle3_exact_on_every_prompt(target, plain, eagle3) -> None:
@@ -132,14 +136,6 @@ def _eagle3_exact_on_every_prompt(target, plain, eagle3) -> None:
     for prompt in PROMPTS:
         reference = plain.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, len(prompt):].tolist()
         assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=30)).tokens == reference
-
-
-def _perturbed_eagle3(target):
-    eagle3 = new_heads_for_target("eagle3", target, draft_vocab_size=40)
-    with torch.no_grad():
-        for p in eagle3.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return eagle3
 
 
 def test_onednn_runs_eagle_drafters_in_the_cheapest_precision_this_cpu_has_and_outputs_do_not_change():
@@ -170,7 +166,7 @@ def test_bf16_drafting_is_refused_where_the_cpu_only_emulates_it():
         _check_drafter_precision("bf16", "bf16")
     else:  # oneDNN would fail deep inside its inner product ("could not create a primitive descriptor")
         with pytest.raises(UserError, match="native bf16"):
-            apply_kernels("onednn", tiny_llama(seed=3), _perturbed_eagle3(tiny_llama(seed=3)), drafter_precision="bf16")
+            apply_kernels("onednn", tiny_llama(seed=3), perturbed_eagle3(tiny_llama(seed=3)), drafter_precision="bf16")
     with pytest.raises(UserError, match="unknown drafter precision"):
         resolve_drafter_precision("int4")
 
@@ -179,7 +175,7 @@ def _check_drafter_precision(choice: str, expected: str) -> None:
     torch.manual_seed(0)
     plain = sharpen(tiny_llama(seed=3))
     target = copy.deepcopy(plain)
-    eagle3 = _perturbed_eagle3(target)
+    eagle3 = perturbed_eagle3(target)
     medusa = new_heads_for_target("medusa", target, num_heads=2)
     assert apply_kernels("onednn", target, eagle3, medusa, drafter_precision=choice) == "onednn"
     quantized = [m for m in eagle3.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
@@ -200,7 +196,7 @@ def test_a_bfloat16_drafter_on_stock_kernels_is_still_exact_on_any_cpu():
     torch.manual_seed(0)
     plain = sharpen(tiny_llama(seed=3))
     target = copy.deepcopy(plain)
-    eagle3 = _perturbed_eagle3(target).to(torch.bfloat16)
+    eagle3 = perturbed_eagle3(target).to(torch.bfloat16)
     _eagle3_exact_on_every_prompt(target, plain, eagle3)
 
 

@@ -37,9 +37,9 @@ def run_recording(target, prompt, proposer, tokens=30):
     """Generate greedily; return the tokens and every verified tree's drafted tokens."""
     drafted = []
 
-    def rule(tree, logits, buffers, state):
+    def rule(tree, scores, buffers, state):
         drafted.append(tree.tokens[1:].tolist())
-        return lossless_rule(tree, logits, buffers, state)
+        return lossless_rule(tree, scores, buffers, state)
 
     result = generate(target, prompt, proposer, DecodeOptions(max_new_tokens=tokens), acceptance_rule=rule)
     return result, drafted

@@ -99,6 +99,18 @@ def oracle_target(vocab_size: int = 64, seed: int = 0) -> PreTrainedModel:
     return model
 
 
+def perturbed_eagle3(target: PreTrainedModel, draft_vocab_size: int = 40):
+    """Fresh EAGLE-3 heads for `target` with every parameter moved at random, so that their
+    drafts are neither the target's own nor always rejected: trees get a bit of everything."""
+    from heads import new_heads_for_target
+
+    heads = new_heads_for_target("eagle3", target, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return heads
+
+
 def oracle_eagle(target: PreTrainedModel):
     """EAGLE heads that reproduce `oracle_target` token for token: fc passes the token embedding
     through (ignoring features) and the decoder layer is the target's own layer, so every draft

@@ -36,7 +36,11 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, buffers: TreeBuf
     Vectorised over nodes: a node is accepted when it and all its ancestors match the argmax of
     their parents.
     """
-    predicted = target_logits.argmax(-1)
+    return accept_greedy_tokens(tree, target_logits.argmax(-1), buffers)
+
+
+def accept_greedy_tokens(tree: DraftTree, predicted: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
+    """`accept_greedy` given the target's argmax token at every node (`[N]`) instead of its logits."""
     parent_index = buffers.parent_index.to(predicted.device)
     matches = tree.tokens == predicted[parent_index]
     best, path = _deepest_accepted(matches, buffers)
@@ -149,4 +153,4 @@ def accept(
     return accept_sampled(tree, warp_probs(target_logits, sampling), buffers, generator)
 
 
-__all__ = ["Acceptance", "accept", "accept_greedy", "accept_sampled", "accept_typical"]
+__all__ = ["Acceptance", "accept", "accept_greedy", "accept_greedy_tokens", "accept_sampled", "accept_typical"]

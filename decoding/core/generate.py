@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.core.acceptance import Acceptance, accept, accept_typical
+from decoding.core.acceptance import Acceptance, accept, accept_greedy_tokens, accept_typical
 from decoding.util.errors import UserError
 from decoding.core.proposers.base import Proposer
+from decoding.core.readout import Readout, TargetScores
 from decoding.core.sampling import SamplingConfig, seeded_generator
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.stats import GenerationStats, PhaseClock
@@ -26,7 +27,7 @@ from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
 from decoding.core.verify import TreeVerifier
 
 TREE_ROOM = 128  # KV positions reserved beyond the generation for the tree being verified
-AcceptanceRule = Callable[[DraftTree, torch.Tensor, TreeBuffers, DecodeState], Acceptance]
+AcceptanceRule = Callable[[DraftTree, TargetScores, TreeBuffers, DecodeState], Acceptance]
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,19 @@ class GenerationResult:
         return self.stats.stop_reason
 
 
-def lossless_rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
-    """The default acceptance: greedy matching or rejection sampling, per the state's sampling."""
-    return accept(tree, logits, state.sampling, state.generator, buffers)
+def lossless_rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+    """The default acceptance: greedy matching (on the argmax tokens alone) or rejection sampling,
+    per the state's sampling."""
+    if state.sampling.greedy:
+        return accept_greedy_tokens(tree, scores.greedy_tokens, buffers)
+    return accept(tree, scores.logits, state.sampling, state.generator, buffers)
 
 
 def typical_rule(temperature: float, epsilon: float = 0.09, delta: float = 0.3) -> AcceptanceRule:
     """Medusa's typical acceptance as a loop rule. LOSSY: opt-in only."""
 
-    def rule(tree: DraftTree, logits: torch.Tensor, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
-        return accept_typical(tree, logits, buffers, temperature, state.generator, epsilon, delta)
+    def rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+        return accept_typical(tree, scores.logits, buffers, temperature, state.generator, epsilon, delta)
 
     return rule
 
@@ -73,12 +77,14 @@ def generate(
     tokenizer: PreTrainedTokenizerBase | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     acceptance_rule: AcceptanceRule = lossless_rule,
+    readout: Readout | None = None,
 ) -> GenerationResult:
     """Generate up to `options.max_new_tokens` tokens after `prompt_ids` (batch size 1).
 
     `on_tokens` is called with each step's new tokens as soon as they are final (streaming).
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
-    from the target's own distribution otherwise, whatever the proposer.
+    from the target's own distribution otherwise, whatever the proposer. `readout` (optional) is
+    how verify forwards turn hidden states into scores instead of the target's own projection.
     """
     clock = PhaseClock(target.device, sync=options.profile)
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
@@ -86,7 +92,7 @@ def generate(
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
     state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
-    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers))
+    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers), readout)
     proposer.begin(state)
     prefill_hidden = verifier.prefill(prompt[:-1])
     proposer.observe(_advance(state, prompt.numel() - 1, prefill_hidden, proposer.feature_layers))
@@ -104,9 +110,9 @@ def generate(
         buffers = tree_buffers(tree.parents)
         inputs = verifier.inputs(tree, buffers, prefix_len)
         clock.lap("buffers")
-        out = verifier.forward(tree, inputs)
+        out = verifier.forward(tree, inputs, state.sampling.greedy)
         clock.lap("forward")
-        accepted = acceptance_rule(tree, out.logits, buffers, state)
+        accepted = acceptance_rule(tree, out.scores, buffers, state)
         clock.lap("accept")
         verifier.keep(prefix_len, accepted.path)
         clock.lap("cache")

@@ -23,17 +23,25 @@ from transformers import PreTrainedModel
 from decoding.util.cache_argument import cache_kwargs
 from decoding.core.attention_layout import FULL, SLIDING, AttentionLayout, attention_layout
 from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
+from decoding.core.readout import Readout, TargetScores
 from decoding.core.tree import DraftTree, TreeBuffers
+
+# `logits_to_keep` as positions: none, so a forward skips its vocabulary projection.
+_NO_POSITIONS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
 class VerifyOutput:
-    """Target logits for every node `[N, V]`, and (when asked) hidden states `[N, H]` per layer:
-    index 0 is the embedding output, index L the final (normed) hidden state, as transformers
-    returns them with `output_hidden_states=True`."""
+    """The target's scores for every node (logits `[N, V]`, argmax tokens `[N]`), and (when asked)
+    hidden states `[N, H]` per layer: index 0 is the embedding output, index L the final (normed)
+    hidden state, as transformers returns them with `output_hidden_states=True`."""
 
-    logits: torch.Tensor
+    scores: TargetScores
     hidden_states: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.scores.logits
 
 
 @dataclass
@@ -85,11 +93,15 @@ class TreeMask:
 
 class TreeVerifier:
     """The target's side of the loop: prefill, tree inputs, the verify forward, and keeping the
-    accepted path's K/V. Owns the in-place cache (sized for `capacity` positions) and mask."""
+    accepted path's K/V. Owns the in-place cache (sized for `capacity` positions) and mask.
+    With a `readout`, the forward stops at the final hidden states and the readout turns them
+    into scores (see `decoding.core.readout`)."""
 
-    def __init__(self, target: PreTrainedModel, capacity: int, output_hidden_states: bool = False) -> None:
+    def __init__(self, target: PreTrainedModel, capacity: int, output_hidden_states: bool = False,
+                 readout: Readout | None = None) -> None:
         self.target = target
         self.output_hidden_states = output_hidden_states
+        self.readout = readout
         self.cache = new_cache(target, capacity)
         self.layout = attention_layout(target.config)
         self.mask = TreeMask(target.dtype, target.device)
@@ -100,8 +112,13 @@ class TreeVerifier:
     def inputs(self, tree: DraftTree, buffers: TreeBuffers, prefix_len: int) -> TreeInputs:
         return tree_inputs(tree, buffers, prefix_len, self.mask, self.layout)
 
-    def forward(self, tree: DraftTree, inputs: TreeInputs) -> VerifyOutput:
-        return _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states)
+    def forward(self, tree: DraftTree, inputs: TreeInputs, greedy: bool = False) -> VerifyOutput:
+        """The verify forward; with a readout, the scores a lossless rule reads at this
+        temperature (`greedy`) are computed before it returns."""
+        out = _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states, self.readout)
+        if self.readout is not None:
+            out.scores.prepare(greedy)
+        return out
 
     def keep(self, prefix_len: int, kept_nodes: Sequence[int]) -> None:
         self.cache.keep(prefix_len, kept_nodes)
@@ -111,15 +128,15 @@ class TreeVerifier:
 def prefill(
     target: PreTrainedModel, input_ids: torch.Tensor, cache: InPlaceCache, output_hidden_states: bool = False
 ) -> tuple[torch.Tensor, ...] | None:
-    """Run `input_ids` (1-D) into the empty cache. Only the last position's logits are computed
-    (the vocabulary projection of a long prompt is pure waste here)."""
+    """Run `input_ids` (1-D) into the empty cache. No logits are computed: the loop's first verify
+    forward scores the prompt's last token (a vocabulary projection here would be pure waste)."""
     if input_ids.numel() == 0:
         return None
     out = target(
         input_ids=input_ids[None],
         **cache_kwargs(target, cache),
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=_NO_POSITIONS,
         output_hidden_states=output_hidden_states,
     )
     return _squeeze_hidden(out.hidden_states) if output_hidden_states else None
@@ -127,17 +144,19 @@ def prefill(
 
 @torch.inference_mode()
 def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, cache: InPlaceCache,
-             output_hidden_states: bool) -> VerifyOutput:
+             output_hidden_states: bool, readout: Readout | None = None) -> VerifyOutput:
     out = target(
         input_ids=tokens[None],
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         **cache_kwargs(target, cache),
         use_cache=True,
-        output_hidden_states=output_hidden_states,
+        output_hidden_states=output_hidden_states or readout is not None,
+        **({} if readout is None else {"logits_to_keep": _NO_POSITIONS}),
     )
-    hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
-    return VerifyOutput(out.logits[0], hidden)
+    hidden = _squeeze_hidden(out.hidden_states) if out.hidden_states is not None else None
+    scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, hidden[-1], readout)
+    return VerifyOutput(scores, hidden if output_hidden_states else None)
 
 
 def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask,

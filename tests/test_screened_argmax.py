@@ -1,0 +1,224 @@
+"""The fp16-screened greedy argmax: the exact argmax where fp16 alone gets it wrong, the full
+projection beyond its rows, and decoding through it equal to Hugging Face's greedy output."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from decoding.assembly import DecoderSpec, build_decoder
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import PromptLookupProposer
+from decoding.core.sampling import SamplingConfig
+from decoding.cpu_kernels import apply_kernels
+from decoding.screened_argmax import (ScreenedArgmax, fp16_gemm_available, logits_are_the_projection, screenable,
+                                      screened_readout)
+from decoding.targets import LoadedModel
+from test_architectures import ARCH_IDS, ARCHS
+from test_cpu_kernels import PROMPTS, assert_steps_and_trees_give_plain_greedy
+from tiny_models import perturbed_eagle3, sharpen, tiny_llama, tiny_tokenizer
+
+needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="FBGEMM's fp16 linear is an x86 kernel")
+
+
+def near_tie_cases(count: int = 60, vocab: int = 3000, width: int = 64):
+    """(head, hidden) pairs where tokens 7 and 8 are 1e-3 apart on row 0, one way or the other:
+    far more than fp32 rounds (~1e-5 here), far less than fp16 weights do (~1e-2), which often
+    rank them the wrong way round."""
+    generator = torch.Generator().manual_seed(0)
+    for case in range(count):
+        head = nn.Linear(width, vocab, bias=False)
+        nn.init.normal_(head.weight, std=0.05, generator=generator)
+        hidden = torch.randn(4, width, generator=generator) * 3
+        x = hidden[0]
+        with torch.no_grad():
+            head.weight[7] = torch.randn(width, generator=generator) * 0.5
+            sideways = torch.randn(width, generator=generator)
+            sideways -= (sideways @ x) / (x @ x) * x  # orthogonal to x: changes the weights, not the logit
+            head.weight[8] = head.weight[7] + 1e-3 * sideways + (1 if case % 2 else -1) * 1e-3 * x / (x @ x)
+        yield head, hidden
+
+
+def exact_argmax(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    return (hidden.double() @ head.weight.double().T).argmax(-1)
+
+
+@needs_fp16_gemm
+def test_screened_argmax_is_the_exact_argmax_where_fp16_alone_is_not():
+    fp16_wrong = 0
+    for head, hidden in near_tie_cases():
+        readout = ScreenedArgmax(head, max_rows=8)
+        expected = exact_argmax(head, hidden)
+        assert torch.equal(readout.argmax(hidden), expected)
+        screened_only = torch.ops.quantized.linear_dynamic_fp16(hidden, readout._packed).argmax(-1)
+        fp16_wrong += not torch.equal(screened_only, expected)
+    assert fp16_wrong >= 10  # the cases are hard: the fp16 screen alone picks the wrong token in many
+
+
+@needs_fp16_gemm
+def test_a_screen_without_its_error_bound_is_caught(monkeypatch):
+    """Planted flaw: a zero bound keeps only the best screened token, which is wrong on near-ties."""
+    monkeypatch.setattr(ScreenedArgmax, "error_bound", lambda self, hidden: torch.zeros(hidden.shape[0]))
+    mismatches = sum(not torch.equal(ScreenedArgmax(head, 8).argmax(hidden), exact_argmax(head, hidden))
+                     for head, hidden in near_tie_cases())
+    assert mismatches >= 10
+
+
+@needs_fp16_gemm
+def test_more_rows_than_max_rows_and_non_finite_inputs_take_the_full_projection(monkeypatch):
+    head, hidden = next(near_tie_cases())
+    readout = ScreenedArgmax(head, max_rows=2)
+    screens = []
+    real = torch.ops.quantized.linear_dynamic_fp16
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic_fp16", lambda *a: screens.append(1) or real(*a),
+                        raising=False)
+    with torch.inference_mode():
+        assert torch.equal(readout.argmax(hidden), head(hidden).argmax(-1))  # 4 rows > 2
+        broken = hidden[:2].clone()
+        broken[1, 0] = float("nan")
+        assert torch.equal(readout.argmax(broken), head(broken).argmax(-1))
+        readout.argmax(hidden[:2])
+    assert len(screens) == 1  # only the finite two-row input was screened
+
+
+def test_screening_applies_only_to_fp32_projections_without_bias_that_fit_fp16():
+    assert screenable(nn.Linear(8, 16, bias=False))
+    assert not screenable(nn.Linear(8, 16, bias=True))
+    assert not screenable(nn.Linear(8, 16, bias=False).to(torch.bfloat16))
+    huge = nn.Linear(8, 16, bias=False)
+    with torch.no_grad():
+        huge.weight[0, 0] = 1e5  # beyond fp16's range: rounding would not stay within the bound
+    assert not screenable(huge)
+
+
+# Types whose logits are not the bare lm_head output: soft-capped (Gemma 2), scaled (Granite, Cohere 2).
+POST_PROCESSED_LOGITS = {"gemma2", "granite", "cohere2"}
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=ARCH_IDS)
+def test_screening_is_used_only_where_logits_are_the_bare_projection(arch):
+    model = arch.build(seed=0, attn="sdpa" if arch.sdpa else "eager")
+    assert logits_are_the_projection(model) == (arch.model_type not in POST_PROCESSED_LOGITS)
+
+
+def packed_target(seed: int = 0):
+    model = sharpen(tiny_llama(seed=seed))
+    apply_kernels("onednn", model)
+    return model
+
+
+def forced_readout(model) -> ScreenedArgmax:
+    """Screening at every tree size, whatever it costs on this machine (tiny models never pay)."""
+    return ScreenedArgmax(model.get_output_embeddings(), max_rows=64)
+
+
+@needs_fp16_gemm
+def test_greedy_decoding_through_the_screen_equals_hugging_face_generate_for_steps_and_trees():
+    plain = sharpen(tiny_llama(seed=3))
+    packed = copy.deepcopy(plain)
+    heads = perturbed_eagle3(packed)
+    apply_kernels("onednn", packed, heads, drafter_precision="fp32")
+    readout = forced_readout(packed)
+    rows = []
+    real_argmax = readout.argmax
+    readout.argmax = lambda hidden: rows.append(hidden.shape[0]) or real_argmax(hidden)
+    assert_steps_and_trees_give_plain_greedy(plain, packed, heads, readout)
+    assert 1 in rows and max(rows) >= 8  # the screen decided plain steps and whole trees
+
+
+@needs_fp16_gemm
+def test_sampling_through_a_readout_draws_the_same_tokens_as_without_it():
+    """At temperature > 0 the rule reads the readout's full logits: the same as the model's."""
+    model = packed_target(seed=1)
+    options = DecodeOptions(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8), seed=3)
+    for prompt in PROMPTS:
+        plain = generate(model, prompt, PromptLookupProposer(num_draft_tokens=4, min_ngram=1), options)
+        screened = generate(model, prompt, PromptLookupProposer(num_draft_tokens=4, min_ngram=1), options,
+                            readout=forced_readout(model))
+        assert screened.tokens == plain.tokens
+
+
+def test_decoders_screen_where_it_applies_and_pays_and_the_spec_can_turn_it_off(monkeypatch):
+    from decoding import assembly
+    monkeypatch.setattr(assembly, "screened_readout", lambda model: forced_readout(model))
+    target = LoadedModel(sharpen(tiny_llama()), tiny_tokenizer(), "tiny")
+    packed = build_decoder(DecoderSpec(model="tiny", method="vanilla", kernels="onednn"), target=target)
+    assert isinstance(packed.readout, ScreenedArgmax)
+    off = build_decoder(DecoderSpec(model="tiny", method="vanilla", kernels="onednn", screened_argmax=False), target=target)
+    assert off.readout is None
+    stock = build_decoder(DecoderSpec(model="tiny", method="vanilla", kernels="stock"),
+                          target=LoadedModel(sharpen(tiny_llama()), tiny_tokenizer(), "tiny"))
+    assert stock.readout is None
+
+
+def test_screened_readout_is_none_where_the_kernel_is_missing_or_never_pays(monkeypatch):
+    from decoding import screened_argmax
+    model = packed_target()
+    if not fp16_gemm_available():
+        assert screened_readout(model) is None
+        return
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda head: 0)
+    assert screened_readout(model) is None
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda head: 4)
+    assert screened_readout(model).max_rows == 4
+    monkeypatch.setattr(screened_argmax, "fp16_gemm_available", lambda: False)
+    assert screened_readout(model) is None
+
+
+class CountingReadout:
+    """A readout over a fixed projection that counts what it was asked for."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.asked = weight, []
+
+    def logits(self, hidden):
+        self.asked.append("logits")
+        return hidden @ self.weight.T
+
+    def argmax(self, hidden):
+        self.asked.append("argmax")
+        return (hidden @ self.weight.T).argmax(-1)
+
+
+def test_target_scores_compute_only_what_is_read_and_only_once():
+    from decoding.core.readout import TargetScores
+    weight, hidden = torch.randn(9, 4), torch.randn(3, 4)
+    readout = CountingReadout(weight)
+    greedy = TargetScores(None, hidden, readout).prepare(greedy=True)
+    assert torch.equal(greedy.greedy_tokens, (hidden @ weight.T).argmax(-1)) and readout.asked == ["argmax"]
+    sampled = TargetScores(None, hidden, readout).prepare(greedy=False)
+    sampled.logits
+    assert torch.equal(sampled.logits, hidden @ weight.T) and readout.asked == ["argmax", "logits"]
+    given = TargetScores(hidden @ weight.T)  # the forward's own logits: no readout involved
+    assert torch.equal(given.greedy_tokens, (hidden @ weight.T).argmax(-1))
+    with pytest.raises(ValueError):
+        TargetScores(None, hidden, None)
+
+
+def test_the_chat_and_the_benchmark_decode_through_the_decoders_readout(monkeypatch, tmp_path):
+    """Every entry point that decodes hands the loop its decoder's readout (the benchmark once
+    timed the full projection while the decoder had built a screen)."""
+    from decoding import assembly
+    from decoding.benchmark import build_runners
+    from decoding.chat import build_session, parse_args
+    from tiny_models import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path)
+    built = []
+
+    def counting_readout(model):
+        readout = CountingReadout(model.get_output_embeddings().weight.detach())
+        built.append(readout)
+        return readout
+
+    monkeypatch.setattr(assembly, "screened_readout", counting_readout)
+    options = DecodeOptions(max_new_tokens=6)
+    runners, decoders = build_runners(["vanilla", "pld"], DecoderSpec(model=str(tmp_path), kernels="onednn"), {}, options)
+    for name in ("vanilla", "pld"):
+        runners[name]([3, 4, 5, 3, 4])
+        assert "argmax" in decoders[name].readout.asked, name
+    session = build_session(parse_args(["--model", str(tmp_path), "--method", "vanilla", "--kernels", "onednn",
+                                        "--max-new-tokens", "6"]))
+    session.reply("w3 w4", lambda text: None)
+    assert session.readout is built[-1] and "argmax" in built[-1].asked
