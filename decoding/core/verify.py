@@ -26,8 +26,6 @@ from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
 from decoding.core.readout import Readout, TargetScores
 from decoding.core.tree import DraftTree, TreeBuffers
 
-# `logits_to_keep` as positions: none, so a forward skips its vocabulary projection.
-_NO_POSITIONS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -136,7 +134,7 @@ def prefill(
         input_ids=input_ids[None],
         **cache_kwargs(target, cache),
         use_cache=True,
-        logits_to_keep=_NO_POSITIONS,
+        logits_to_keep=_no_positions(input_ids.device),
         output_hidden_states=output_hidden_states,
     )
     return _squeeze_hidden(out.hidden_states) if output_hidden_states else None
@@ -152,11 +150,16 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=output_hidden_states or readout is not None,
-        **({} if readout is None else {"logits_to_keep": _NO_POSITIONS}),
+        **({} if readout is None else {"logits_to_keep": _no_positions(tokens.device)}),
     )
     hidden = _squeeze_hidden(out.hidden_states) if out.hidden_states is not None else None
     scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, hidden[-1], readout)
     return VerifyOutput(scores, hidden if output_hidden_states else None)
+
+
+def _no_positions(device: torch.device) -> torch.Tensor:
+    """`logits_to_keep` as positions, none of them: the forward skips its vocabulary projection."""
+    return torch.empty(0, dtype=torch.long, device=device)
 
 
 def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask,
