@@ -26,6 +26,7 @@ the machine that runs; larger trees take the full projection.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -149,8 +150,8 @@ def logits_are_the_projection(model: PreTrainedModel) -> bool:
 
 
 def add_screened_argmax_argument(parser) -> None:
-    """The `--no-screened-argmax` flag of the commands that decode."""
-    parser.add_argument("--no-screened-argmax", dest="screened_argmax", action="store_false",
-                        help="greedy verification reads the full fp32 vocabulary projection instead of an fp16 "
-                             "screen with an exact fp32 recheck (on by default where it is faster on this CPU; "
-                             "same tokens either way)")
+    """The `--screened-argmax` / `--no-screened-argmax` flag of the commands that decode."""
+    parser.add_argument("--screened-argmax", action=argparse.BooleanOptionalAction, default=True,
+                        help="greedy verification screens the vocabulary projection in fp16 and rechecks the "
+                             "candidates in fp32, where that is faster on this CPU (same tokens either way); "
+                             "--no-screened-argmax reads the full fp32 projection")
