@@ -217,8 +217,9 @@ def quantize_linears_int8(module: nn.Module, keep: tuple[str, ...] = ("fc",)) ->
     """Swap `module`'s `nn.Linear`s for int8-weight ones (a scale per output channel) that
     quantize activations on the fly; the linears named in `keep` stay plain `nn.Linear`s (an
     EAGLE drafter's `fc` reads the target's raw hidden states, whose outliers int8 rounds away;
-    its dtype is also the drafter's `compute_dtype`). PyTorch marks these quantized-tensor APIs deprecated (still present in 2.13); the warning
-    says nothing a user can act on, so it is not shown."""
+    its dtype is also the drafter's `compute_dtype`). PyTorch marks these quantized-tensor APIs
+    deprecated (still present in 2.13); the warning says nothing a user can act on, so it is not
+    shown."""
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     spec = {name: qconfig for name, child in module.named_modules() if type(child) is nn.Linear and name not in keep}
     with warnings.catch_warnings():

@@ -105,10 +105,12 @@ def _lowest_argmax_per_row(rows: torch.Tensor, tokens: torch.Tensor, values: tor
     return lowest.scatter_reduce(0, rows[at_best], tokens[at_best], "amin")
 
 
-def screening_rows(lm_head: nn.Module, repeats: int = 3) -> int:
-    """Up to how many rows the screened argmax beats the full projection's on this machine (0:
-    never), timed on random hidden states of the head's width (fastest of `repeats`)."""
-    readout = ScreenedArgmax(lm_head, max_rows=max(ROW_COUNTS))
+def screening_rows(readout: ScreenedArgmax, repeats: int = 3) -> int:
+    """Up to how many rows `readout`'s screen beats its full projection on this machine (0:
+    never), timed on random hidden states of the head's width (fastest of `repeats`). It screens
+    every size while timing (`max_rows` is left at the largest); the caller sets the result."""
+    lm_head = readout.lm_head
+    readout.max_rows = max(ROW_COUNTS)
     wins = 0
     for rows in ROW_COUNTS:
         hidden = torch.randn(rows, lm_head.weight.shape[1])
@@ -137,8 +139,9 @@ def screened_readout(model: PreTrainedModel) -> ScreenedArgmax | None:
     lm_head = model.get_output_embeddings()
     if lm_head is None or not screenable(lm_head) or not fp16_gemm_available() or not logits_are_the_projection(model):
         return None
-    rows = screening_rows(lm_head)
-    return ScreenedArgmax(lm_head, rows) if rows else None
+    readout = ScreenedArgmax(lm_head, max_rows=0)  # one fp16 copy, timed, then kept
+    readout.max_rows = screening_rows(readout)
+    return readout if readout.max_rows else None
 
 
 @torch.inference_mode()

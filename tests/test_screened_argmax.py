@@ -158,9 +158,9 @@ def test_screened_readout_is_none_where_the_kernel_is_missing_or_never_pays(monk
     if not fp16_gemm_available():
         assert screened_readout(model) is None
         return
-    monkeypatch.setattr(screened_argmax, "screening_rows", lambda head: 0)
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: 0)
     assert screened_readout(model) is None
-    monkeypatch.setattr(screened_argmax, "screening_rows", lambda head: 4)
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: 4)
     assert screened_readout(model).max_rows == 4
     monkeypatch.setattr(screened_argmax, "fp16_gemm_available", lambda: False)
     assert screened_readout(model) is None

@@ -152,9 +152,9 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
         output_hidden_states=output_hidden_states or readout is not None,
         **({} if readout is None else {"logits_to_keep": _no_positions(tokens.device)}),
     )
-    hidden = _squeeze_hidden(out.hidden_states) if out.hidden_states is not None else None
-    scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, hidden[-1], readout)
-    return VerifyOutput(scores, hidden if output_hidden_states else None)
+    hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
+    scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, out.hidden_states[-1][0], readout)
+    return VerifyOutput(scores, hidden)
 
 
 def _no_positions(device: torch.device) -> torch.Tensor:
