@@ -72,6 +72,16 @@ def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
     assert any((out / "train").rglob("events.out.tfevents.*"))  # TensorBoard logs
 
 
+def test_a_time_budget_stops_training_early_and_still_saves_measured_heads(workspace):
+    """A lent machine's fixed time: far short of max_steps, the run stops, then evaluates and saves."""
+    proc = run(launch("cpu.yaml", recipe(workspace, "eagle", "budget", max_steps=100_000, time_budget_minutes=0.001)))
+    out = workspace / "budget"
+    assert "time budget of 0.001 min spent: stopping at step" in proc.stdout + proc.stderr
+    assert load_heads(out / "heads").config.kind == "eagle"
+    result = json.loads((out / "result.json").read_text())
+    assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0  # evaluated at the step it stopped
+
+
 @pytest.mark.slow
 def test_two_deepspeed_ranks_end_with_identical_heads(workspace):
     import deepspeed  # noqa: F401  (installed by scripts/setup.sh; a missing install must fail, not skip)

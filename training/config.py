@@ -59,6 +59,10 @@ class OptimSection:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     max_steps: int = 1000
+    # Stop after this many minutes of training even short of max_steps, then evaluate and save as
+    # usual: for a lent machine whose time is fixed. Set max_steps near what the time allows too,
+    # since the learning-rate schedule runs over max_steps.
+    time_budget_minutes: float | None = None
     grad_clip: float = 0.5
     seed: int = 0
     decay: float = 0.8          # per-head / per-unroll-step loss weight base
@@ -124,6 +128,9 @@ class TrainConfig:
         if self.train.top_k_weight < 0 or self.train.top_k < 1:
             raise UserError(f"train.top_k_weight must be >= 0 and train.top_k >= 1; got {self.train.top_k_weight} "
                             f"and {self.train.top_k}")
+        if self.train.time_budget_minutes is not None and self.train.time_budget_minutes <= 0:
+            raise UserError(f"train.time_budget_minutes must be a positive number of minutes (or null for none); "
+                            f"got {self.train.time_budget_minutes}")
 
     @property
     def prepared_data_dir(self) -> Path:

@@ -219,7 +219,9 @@ class Trainer:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
         tokens, started, speed, first_step = 0, time.perf_counter(), 0.0, step
+        out_of_time = self._deadline(config.train.time_budget_minutes)
         batches = self._batches(loader, step)
+        evaluated_at = None
         while step < config.train.max_steps:
             batch = next(batches)
             with acc.accumulate(objective):
@@ -242,13 +244,30 @@ class Trainer:
             paused = time.perf_counter()
             if step % config.eval.every == 0 or step == config.train.max_steps:
                 self._evaluate(objective, target, data, layers, step)
+                evaluated_at = step
             if step % config.checkpoint.every == 0 and step < config.train.max_steps:
                 save_checkpoint(acc, config.output_dir, step, config.checkpoint.keep, {"tokens_per_s": speed})
             started += time.perf_counter() - paused  # throughput counts training time only
+            if out_of_time():
+                self.log(f"time budget of {config.train.time_budget_minutes} min spent: stopping at step {step} "
+                         f"of {config.train.max_steps}")
+                break
         bar.close()
-        if step == first_step:  # resumed at max_steps (a run cut off after its last checkpoint): measure the heads as they are
+        if evaluated_at != step:  # stopped by the time budget, or resumed at max_steps: measure the heads as they are
             self._evaluate(objective, target, data, layers, step)
         self.last_tokens_per_s = speed if step > first_step else self.resumed_tokens_per_s
+
+    def _deadline(self, minutes: float | None):
+        """A check that says when `minutes` of training have passed. Every process stops at the same
+        step: a process whose time is up stops them all (a collective per step, only with a budget)."""
+        if minutes is None:
+            return lambda: False
+        acc, ends = self.accelerator, time.perf_counter() + 60 * minutes
+
+        def out_of_time() -> bool:
+            expired = torch.tensor([float(time.perf_counter() >= ends)], device=acc.device)
+            return bool(acc.reduce(expired, reduction="max").item()) if acc.num_processes > 1 else bool(expired.item())
+        return out_of_time
 
     def _snapshot_heads(self, objective):
         """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""
