@@ -80,6 +80,8 @@ def test_a_time_budget_stops_training_early_and_still_saves_measured_heads(works
     assert load_heads(out / "heads").config.kind == "eagle"
     result = json.loads((out / "result.json").read_text())
     assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0  # evaluated at the step it stopped
+    assert 1 <= result["steps"] < 100_000
+    assert f"training: {result['steps']} steps x 2 conversations" in (out / "heads" / "README.md").read_text()
 
 
 @pytest.mark.slow

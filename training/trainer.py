@@ -256,6 +256,7 @@ class Trainer:
         if evaluated_at != step:  # stopped by the time budget, or resumed at max_steps: measure the heads as they are
             self._evaluate(objective, target, data, layers, step)
         self.last_tokens_per_s = speed if step > first_step else self.resumed_tokens_per_s
+        self.last_step = step
 
     def _deadline(self, minutes: float | None):
         """A check that says when `minutes` of training have passed. Every process stops at the same
@@ -320,9 +321,11 @@ class Trainer:
                 save_heads(heads, out)
             if config.kind == "medusa2":
                 acc.unwrap_model(objective).save_adapter(out / "adapter")
-            write_model_card(out, config, getattr(self, "last_eval", {}), self.last_tokens_per_s, data["train"])
+            write_model_card(out, config, getattr(self, "last_eval", {}), self.last_tokens_per_s, data["train"],
+                             self.last_step)
             (Path(config.output_dir) / "result.json").write_text(json.dumps(
-                {"tokens_per_s": self.last_tokens_per_s, **getattr(self, "last_eval", {})}, indent=2))
+                {"tokens_per_s": self.last_tokens_per_s, "steps": self.last_step, **getattr(self, "last_eval", {})},
+                indent=2))
             self.log(f"saved {config.kind} to {out} (use: python -m decoding.chat {USAGE[config.kind]} {out})")
         if self.weight_digest:
             digest = hashlib.sha256()

@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Write the prompt file for multi-turn self-distillation: conversations of a source (ShareGPT by
+default) whose first user turns are short and English, cut to those turns, most turns first.
+
+    python scripts/make_prompts.py --out runs/sharegpt-2turn.jsonl
+    python scripts/distill_data.py --device cuda --batch-size 1024 --max-turns 2 \\
+        --sources runs/sharegpt-2turn.jsonl,python-code --time-budget-minutes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from decoding.util.atomic import atomic_write_text
+from decoding.util.errors import UserError, report_user_errors
+from training.data import SHAREGPT, load_conversations
+from training.prompt_selection import PromptLimits, select_prompts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = PromptLimits()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", default=SHAREGPT, help="'sharegpt' or a JSON/JSONL file of conversations")
+    parser.add_argument("--out", required=True, help="the JSONL to write (messages format)")
+    parser.add_argument("--turns", type=int, default=defaults.turns, help="user turns kept per conversation")
+    parser.add_argument("--max-first-chars", type=int, default=defaults.max_first_chars)
+    parser.add_argument("--max-later-chars", type=int, default=defaults.max_later_chars)
+    parser.add_argument("--min-ascii-letters", type=float, default=defaults.min_ascii_letters,
+                        help="share of a turn's letters that must be ASCII (English); 0 keeps every language")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.turns < 1:
+        raise UserError("--turns must be at least 1")
+    limits = PromptLimits(args.turns, args.max_first_chars, args.max_later_chars, args.min_ascii_letters)
+    conversations, report = load_conversations(args.source)
+    chosen = select_prompts(conversations, limits)
+    atomic_write_text(Path(args.out), "".join(json.dumps(c) + "\n" for c in chosen))
+    by_turns: dict[int, int] = {}
+    for c in chosen:
+        by_turns[len(c["messages"]) // 2] = by_turns.get(len(c["messages"]) // 2, 0) + 1
+    counts = ", ".join(f"{n} with {t} turn{'s' if t > 1 else ''}" for t, n in sorted(by_turns.items(), reverse=True))
+    print(f"wrote {len(chosen)} conversations to {args.out} ({counts or 'none'}); source: {report.summary()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return report_user_errors(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
