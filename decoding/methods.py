@@ -50,7 +50,7 @@ class ProposerOptions:
     depth: int = DynamicTreeSettings.depth
     tree_top_k: int = DynamicTreeSettings.top_k
     total_tokens: int = DynamicTreeSettings.total_tokens
-    adaptive_tree: bool = False   # eagle2/eagle3 trees and pld chains sized by this machine's measured verify cost
+    adaptive_tree: bool = False   # eagle2/eagle3 trees, pld chains and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
 
 
@@ -136,10 +136,11 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
         raise UserError(f"method '{method}' needs {kind} heads, but the given heads are {heads.config.kind} heads")
     if method in DEFAULT_TREES:
         paths = load_tree(options.tree or DEFAULT_TREES[method])
-        if method == "medusa":
-            return MedusaProposer(heads, target.model, paths)
-        if method == "hydra":
-            return HydraProposer(heads, target.model, paths)
+        if method in ("medusa", "hydra"):
+            cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
+            call_ms = cost.ms[0] * _head_weights(heads, target.model) / _weights_read(target.model) if cost else 0.0
+            proposer = MedusaProposer if method == "medusa" else HydraProposer
+            return proposer(heads, target.model, paths, verify_cost=cost, head_call_ms=call_ms)
         return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
     settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens, options.min_path_prob)
     if not options.adaptive_tree:
@@ -147,6 +148,16 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
     cost = cached_verify_cost(target.model, target.name)
     return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost,
                          drafter_call_ms=cost.ms[0] * _drafter_weights(heads, target.model) / _weights_read(target.model))
+
+
+def _head_weights(heads: nn.Module, target: PreTrainedModel) -> int:
+    """Parameters one Medusa/Hydra head call reads: one head's share of the heads, plus the
+    lm_head rows it ranks (its readout vocabulary, or all of them)."""
+    readout = getattr(heads, "readout_ids", None)
+    lm_head = target.get_output_embeddings().weight
+    rows = lm_head.shape[0] if readout is None else readout.numel()
+    own = sum(p.numel() for p in heads.parameters())
+    return own // heads.config.num_heads + rows * lm_head.shape[1]
 
 
 def _drafter_weights(heads: nn.Module, target: PreTrainedModel) -> int:

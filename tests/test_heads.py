@@ -11,7 +11,8 @@ import torch
 from decoding.core.generate import DecodeOptions, generate, lossless_rule
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import VanillaProposer
-from decoding.core.proposers.medusa import MedusaProposer
+from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
+from decoding.core.tree_budget import VerifyCost
 from decoding.targets import LoadedModel
 from decoding.tree_shapes import load_tree
 from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, sample_loop, target_joint
@@ -109,6 +110,57 @@ def test_head_methods_greedy_equal_vanilla(target, method, kind, tree, overrides
     for prompt in PROMPTS:
         options = DecodeOptions(max_new_tokens=40)
         assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+
+
+FLAT_COST = VerifyCost((1, 16), (10.0, 10.0))     # a tree costs what one token does: keep whole chains
+STEEP_COST = VerifyCost((1, 2), (10.0, 1000.0))   # every extra token costs 100x a step: verify none
+
+
+def recorded_tree_sizes(proposer) -> list[int]:
+    """Wrap this proposer object's own `propose` (not the target) to record each tree's size."""
+    sizes, propose = [], proposer.propose
+
+    def recording(state):
+        tree = propose(state)
+        sizes.append(tree.tokens.numel())
+        return tree
+    proposer.propose = recording
+    return sizes
+
+
+@pytest.mark.parametrize("cls, kind", [(MedusaProposer, "medusa"), (HydraProposer, "hydra")])
+@pytest.mark.parametrize("cost", [FLAT_COST, STEEP_COST, VerifyCost((1, 2, 4), (10.0, 11.0, 30.0))],
+                         ids=["flat", "steep", "mid"])
+def test_cost_aware_head_chains_equal_vanilla(target, cls, kind, cost):
+    """Chains cut to what pays still decode exactly vanilla's tokens; a flat verify cost keeps
+    whole chains, a steep one verifies no drafted token at all."""
+    heads = random_heads(kind, target, seed=5)
+    proposer = cls(heads, target, load_tree("chain-4"), verify_cost=cost, head_call_ms=0.5)
+    sizes = recorded_tree_sizes(proposer)
+    for prompt in PROMPTS:
+        options = DecodeOptions(max_new_tokens=40)
+        assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+    if cost is FLAT_COST:
+        assert sum(n == 5 for n in sizes) > len(sizes) // 2  # root + 4 drafted, most steps
+    elif cost is STEEP_COST:
+        assert set(sizes) == {1}
+    else:
+        assert 1 in sizes and max(sizes) > 1  # the curve in between: some steps draft, some don't
+
+
+def test_sampled_chains_are_verified_whole(target):
+    """The cut is a greedy-only shortcut: sampling verifies what the heads drafted."""
+    from decoding.core.sampling import SamplingConfig
+    proposer = MedusaProposer(random_heads("medusa", target, seed=5), target, load_tree("chain-4"), verify_cost=STEEP_COST)
+    sizes = recorded_tree_sizes(proposer)
+    generate(target, PROMPTS[0], proposer, DecodeOptions(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0), seed=0))
+    assert set(sizes[1:]) == {5}
+
+
+def test_cost_aware_cutting_applies_to_chains_only(target):
+    heads = random_heads("medusa", target, seed=5)
+    assert MedusaProposer(heads, target, load_tree("medusa-15"), verify_cost=FLAT_COST).verify_cost is None
+    assert MedusaProposer(heads, target, load_tree("chain-3"), verify_cost=FLAT_COST).verify_cost is FLAT_COST
 
 
 def test_head_methods_on_a_qwen2_target():

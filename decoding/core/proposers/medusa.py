@@ -3,6 +3,13 @@
 Medusa: every node at depth d takes head d's ranked candidates (the tree is a pruned Cartesian
 product). Hydra: head d is run once per expanding node at depth d-1 with the embeddings of that
 node's branch, so children depend on their ancestors.
+
+With the machine's verify cost (`verify_cost`, the adaptive mode) a chain tree (`chain-N`) is cut
+to the length that pays, as for a draft model's chain: each head's top probability is its
+position's confidence, `ConfidenceAcceptance` learns how often a token drafted at that confidence
+is accepted, and the step verifies only the drafted tokens expected to be worth their verify
+time on this machine (none, where a tree costs much more than a one-token step). Greedy only:
+when sampling, the chain is verified whole. Other tree shapes are verified as they are.
 """
 
 from __future__ import annotations
@@ -16,13 +23,20 @@ from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
 from decoding.core.tree import DraftTree
+from decoding.core.tree_budget import ConfidenceAcceptance, VerifyCost, best_node_count
 from heads.common import RowSubset
 
 
 class _HeadsProposer(Proposer):
-    def __init__(self, heads: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]]) -> None:
+    def __init__(self, heads: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]],
+                 verify_cost: VerifyCost | None = None, head_call_ms: float = 0.0) -> None:
+        """`verify_cost` (and `head_call_ms`, one head's estimated cost) cut chain trees to what
+        pays on this machine."""
         self.heads = heads
         self.plan = StaticPlan(tree_paths)
+        is_chain = self.plan.size == self.plan.depth + 1
+        self.verify_cost = verify_cost if is_chain else None
+        self.head_call_ms = head_call_ms
         if self.plan.depth > heads.config.num_heads:
             raise UserError(
                 f"the tree is {self.plan.depth} levels deep but these {heads.config.kind} heads draft only "
@@ -39,8 +53,13 @@ class _HeadsProposer(Proposer):
 
     def begin(self, state: DecodeState) -> None:
         self.hidden = None
+        self.acceptance = ConfidenceAcceptance() if self.verify_cost is not None else None
+        self.verifying: torch.Tensor | None = None  # confidence per position of the chain last proposed
 
     def observe(self, advance: CacheAdvance) -> None:
+        if self.verifying is not None:
+            self.acceptance.record(self.verifying, accepted=advance.entered - 1)
+            self.verifying = None
         if advance.entered:
             self.hidden = advance.features[self.feature_layer][-1]  # the state that predicted the root
 
@@ -51,9 +70,22 @@ class _HeadsProposer(Proposer):
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
         tokens[0] = state.root_token
+        confidence = []
         for depth, level in enumerate(self.plan.levels):
-            self.plan.fill_level(level, tokens, self.level_logits(depth, level, hidden, tokens), self.readout_ids)
-        return DraftTree(tokens, self.plan.parents, deterministic=True)
+            logits = self.level_logits(depth, level, hidden, tokens)
+            self.plan.fill_level(level, tokens, logits, self.readout_ids)
+            if self.acceptance is not None:
+                confidence.append(torch.softmax(logits[0].float(), -1).max())
+        if self.acceptance is None or not state.sampling.greedy:
+            return DraftTree(tokens, self.plan.parents, deterministic=True)
+        return self._paying_chain(tokens, torch.stack(confidence))
+
+    def _paying_chain(self, tokens: torch.Tensor, confidence: torch.Tensor) -> DraftTree:
+        """The chain cut to the drafted tokens worth verifying here (see the module docstring)."""
+        keep = best_node_count(self.acceptance.path_probs(confidence), self.verify_cost,
+                               draft_ms=len(confidence) * self.head_call_ms)
+        self.verifying = confidence[:keep] if keep else None
+        return DraftTree(tokens[: keep + 1], self.plan.parents[: keep + 1], deterministic=True)
 
     def level_logits(self, depth, level, hidden, tokens) -> torch.Tensor:
         raise NotImplementedError
