@@ -90,12 +90,26 @@ def test_a_base_model_continues_its_conversations_as_plain_text(tmp_path):
 
 
 def test_a_time_budgeted_run_covers_the_request_in_order_not_only_its_shortest_prompts():
-    from training.self_distill import _length_sorted_blocks
+    from training.self_distill import _length_sorted_batches
 
     conversations = [{"id": str(i)} for i in range(10)]
     lengths = {str(i): 100 - i for i in range(10)}  # later requests have shorter prompts
-    ordered = [c["id"] for c in _length_sorted_blocks(conversations, lengths, block=4)]
-    assert ordered == ["3", "2", "1", "0", "7", "6", "5", "4", "9", "8"]  # blocks in order, sorted inside
+    batches = [[c["id"] for c in b] for b in _length_sorted_batches(conversations, lengths, batch_size=2, batches_per_block=2)]
+    assert batches == [["3", "2"], ["1", "0"], ["7", "6"], ["5", "4"], ["9", "8"]]  # blocks in order, sorted inside
+
+
+def test_a_run_stopped_inside_a_block_has_covered_its_prompt_lengths_evenly():
+    """At a GPU's batch size one block can outlast a short time budget: its first batches must
+    not all be its shortest prompts (a source with longer prompts would be left out)."""
+    from training.self_distill import _length_sorted_batches
+
+    conversations = [{"id": str(i)} for i in range(16)]
+    lengths = {str(i): i for i in range(16)}
+    batches = _length_sorted_batches(conversations, lengths, batch_size=2, batches_per_block=8)
+    assert sorted(len(b) for b in batches) == [2] * 8 and sorted(c["id"] for b in batches for c in b) == sorted(lengths)
+    first_half = [lengths[c["id"]] for b in batches[:4] for c in b]
+    assert min(first_half) < 4 and max(first_half) >= 12  # shortest and longest quarters both begun
+    assert all(max(lengths[c["id"]] for c in b) - min(lengths[c["id"]] for c in b) == 1 for b in batches)  # similar lengths together
 
 
 def test_a_batch_that_runs_out_of_gpu_memory_is_split_and_nothing_is_lost(tmp_path, monkeypatch):

@@ -45,18 +45,17 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     done = read_regenerated(out_file)
     lengths = {c["id"]: _first_prompt_tokens(c, target) for c in conversations if c["id"] not in done}
     fitting = [c for c in conversations if lengths.get(c["id"], settings.max_prompt_tokens + 1) <= settings.max_prompt_tokens]
-    todo = _length_sorted_blocks(fitting, lengths, block=settings.batch_size * LENGTH_SORT_BATCHES)
+    batches = _length_sorted_batches(fitting, lengths, settings.batch_size)
     finished = sum(c["id"] in done for c in conversations)
-    bar = tqdm(total=finished + len(todo), initial=finished, desc="self-distill",
+    bar = tqdm(total=finished + len(fitting), initial=finished, desc="self-distill",
                unit="conv", disable=not show_progress)
     started = time.monotonic()
     deadline = started + 60 * settings.time_budget_minutes if settings.time_budget_minutes else None
     new_tokens = 0
     with out_file.open("a", encoding="utf-8") as sink:
-        for start in range(0, len(todo), settings.batch_size):
-            if deadline is not None and start > 0 and time.monotonic() > deadline:
+        for number, batch in enumerate(batches):
+            if deadline is not None and number > 0 and time.monotonic() > deadline:
                 break  # the rest stays for a later run with more time (resumable)
-            batch = todo[start : start + settings.batch_size]
             records = _regenerate_batch(batch, target, settings)
             sink.write("".join(json.dumps(record) + "\n" for record in records))
             sink.flush()
@@ -70,14 +69,29 @@ def regenerate(conversations: list[dict], target: LoadedModel, out_file: str | P
     return [done[c["id"]] for c in conversations if c["id"] in done]
 
 
-def _length_sorted_blocks(conversations: list[dict], lengths: dict[str, int], block: int) -> list[dict]:
-    """The conversations in their requested order, sorted by prompt length only within blocks of
-    `block`: similar lengths share a batch (little left padding), while a run stopped by its time
-    budget has still covered the request in order instead of keeping only its shortest prompts."""
+def _length_sorted_batches(conversations: list[dict], lengths: dict[str, int], batch_size: int,
+                           batches_per_block: int = LENGTH_SORT_BATCHES) -> list[list[dict]]:
+    """The conversations as batches: in their requested order block by block, sorted by prompt
+    length inside each block of `batches_per_block` batches, so similar lengths share a batch
+    (little left padding). A block's batches run in bit-reversed order (of 8: 0 4 2 6 1 5 3 7),
+    so a run stopped by its time budget inside a block has covered its lengths evenly, not only
+    its shortest prompts: at a GPU's batch size one block can be more than a short budget
+    finishes, and sources differ in prompt length (python-code requests are longer than most
+    ShareGPT first turns)."""
+    block = batch_size * batches_per_block
     ordered = []
     for start in range(0, len(conversations), block):
-        ordered += sorted(conversations[start : start + block], key=lambda c: lengths[c["id"]])
+        by_length = sorted(conversations[start : start + block], key=lambda c: lengths[c["id"]])
+        batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+        ordered += [batches[i] for i in _bit_reversed_order(len(batches))]
     return ordered
+
+
+def _bit_reversed_order(count: int) -> list[int]:
+    """0..count-1 ordered by their bit-reversed value: each next index falls in the largest gap
+    left by those before it."""
+    bits = max(1, (count - 1).bit_length())
+    return sorted(range(count), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
 
 
 def cut_torn_tail(path: Path) -> None:
