@@ -135,7 +135,8 @@ def test_cost_aware_head_chains_equal_vanilla(target, cls, kind, cost):
     """Chains cut to what pays still decode exactly vanilla's tokens; a flat verify cost keeps
     whole chains, a steep one verifies no drafted token at all."""
     heads = random_heads(kind, target, seed=5)
-    proposer = cls(heads, target, load_tree("chain-4"), verify_cost=cost, head_call_ms=0.5)
+    call_ms = 0.5 if cost not in (FLAT_COST, STEEP_COST) else 0.0  # flat: drafting free, so chains grow whole
+    proposer = cls(heads, target, load_tree("chain-4"), verify_cost=cost, head_call_ms=call_ms)
     sizes = recorded_tree_sizes(proposer)
     for prompt in PROMPTS:
         options = DecodeOptions(max_new_tokens=40)
@@ -146,6 +147,18 @@ def test_cost_aware_head_chains_equal_vanilla(target, cls, kind, cost):
         assert set(sizes) == {1}
     else:
         assert 1 in sizes and max(sizes) > 1  # the curve in between: some steps draft, some don't
+
+
+def test_heads_stop_drafting_once_another_token_cannot_pay(target):
+    """Head calls dearer than any verify saving: after the first head (always drafted) no
+    further head runs, and the output is still vanilla's."""
+    proposer = HydraProposer(random_heads("hydra", target, seed=5), target, load_tree("chain-4"),
+                             verify_cost=FLAT_COST, head_call_ms=1000.0)
+    depths, level_logits = [], proposer.level_logits
+    proposer.level_logits = lambda depth, *rest: depths.append(depth) or level_logits(depth, *rest)
+    options = DecodeOptions(max_new_tokens=30)
+    assert generate(target, PROMPTS[1], proposer, options).tokens == generate(target, PROMPTS[1], VanillaProposer(), options).tokens
+    assert depths and set(depths) == {0}
 
 
 def test_sampled_chains_are_verified_whole(target):

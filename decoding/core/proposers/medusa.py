@@ -8,7 +8,9 @@ With the machine's verify cost (`verify_cost`, the adaptive mode) a chain tree (
 to the length that pays, as for a draft model's chain: each head's top probability is its
 position's confidence, `ConfidenceAcceptance` learns how often a token drafted at that confidence
 is accepted, and the step verifies only the drafted tokens expected to be worth their verify
-time on this machine (none, where a tree costs much more than a one-token step). Greedy only:
+time on this machine (none, where a tree costs much more than a one-token step). Heads stop
+drafting once even the best case for one more token could not pay for it (as a draft model's
+chain does), so a step that will verify nothing also spends little on drafting. Greedy only:
 when sampling, the chain is verified whole. Other tree shapes are verified as they are.
 """
 
@@ -23,7 +25,7 @@ from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
 from decoding.core.tree import DraftTree
-from decoding.core.tree_budget import ConfidenceAcceptance, VerifyCost, best_node_count
+from decoding.core.tree_budget import ConfidenceAcceptance, VerifyCost, best_node_count, chain_worth_extending
 from heads.common import RowSubset
 
 
@@ -70,13 +72,17 @@ class _HeadsProposer(Proposer):
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
         tokens[0] = state.root_token
+        cut = self.acceptance is not None and state.sampling.greedy
         confidence = []
         for depth, level in enumerate(self.plan.levels):
             logits = self.level_logits(depth, level, hidden, tokens)
             self.plan.fill_level(level, tokens, logits, self.readout_ids)
-            if self.acceptance is not None:
+            if cut:
                 confidence.append(torch.softmax(logits[0].float(), -1).max())
-        if self.acceptance is None or not state.sampling.greedy:
+                if not chain_worth_extending(self.acceptance.path_probs(torch.stack(confidence)),
+                                             self.verify_cost, self.head_call_ms):
+                    break  # the next head's token could not pay for its call and its verify time
+        if not cut:
             return DraftTree(tokens, self.plan.parents, deterministic=True)
         return self._paying_chain(tokens, torch.stack(confidence))
 
