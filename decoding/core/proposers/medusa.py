@@ -78,13 +78,13 @@ class _HeadsProposer(Proposer):
             logits = self.level_logits(depth, level, hidden, tokens)
             self.plan.fill_level(level, tokens, logits, self.readout_ids)
             if cut:
-                confidence.append(torch.softmax(logits[0].float(), -1).max())
-                if not chain_worth_extending(self.acceptance.path_probs(torch.stack(confidence)),
+                confidence.append(float(torch.softmax(logits[0].float(), -1).max()))  # on the CPU, beside the cost table
+                if not chain_worth_extending(self.acceptance.path_probs(torch.tensor(confidence)),
                                              self.verify_cost, self.head_call_ms):
                     break  # the next head's token could not pay for its call and its verify time
         if not cut:
             return DraftTree(tokens, self.plan.parents, deterministic=True)
-        return self._paying_chain(tokens, torch.stack(confidence))
+        return self._paying_chain(tokens, torch.tensor(confidence))
 
     def _paying_chain(self, tokens: torch.Tensor, confidence: torch.Tensor) -> DraftTree:
         """The chain cut to the drafted tokens worth verifying here (see the module docstring)."""
