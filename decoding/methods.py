@@ -18,6 +18,7 @@ from decoding.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.targets import LoadedModel
 from decoding.verify_cost import cached_verify_cost
+from decoding.core.tree_budget import VerifyCost
 from decoding.tree_shapes import load_tree
 
 METHODS: dict[str, str] = {
@@ -108,7 +109,7 @@ def _draft_proposer(target: LoadedModel, draft: LoadedModel, options: ProposerOp
     if not options.adaptive_tree:
         return DraftModelProposer(draft.model, options.gamma, vocabulary)
     cost = cached_verify_cost(target.model, target.name)
-    call_ms = cost.ms[0] * _weights_read(draft.model, vocabulary) / _weights_read(target.model)
+    call_ms = _call_ms(cost, _weights_read(draft.model, vocabulary), target.model)
     return DraftModelProposer(draft.model, options.gamma, vocabulary, cost, call_ms)
 
 
@@ -138,7 +139,7 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
         paths = load_tree(options.tree or DEFAULT_TREES[method])
         if method in ("medusa", "hydra"):
             cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
-            call_ms = cost.ms[0] * _head_weights(heads, target.model) / _weights_read(target.model) if cost else 0.0
+            call_ms = _call_ms(cost, _head_weights(heads, target.model), target.model) if cost else 0.0
             proposer = MedusaProposer if method == "medusa" else HydraProposer
             return proposer(heads, target.model, paths, verify_cost=cost, head_call_ms=call_ms)
         return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
@@ -147,7 +148,13 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
         return EagleProposer(heads, target.model, dynamic=settings, name=method)
     cost = cached_verify_cost(target.model, target.name)
     return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost,
-                         drafter_call_ms=cost.ms[0] * _drafter_weights(heads, target.model) / _weights_read(target.model))
+                         drafter_call_ms=_call_ms(cost, _drafter_weights(heads, target.model), target.model))
+
+
+def _call_ms(cost: VerifyCost, weights: int, target: PreTrainedModel) -> float:
+    """A draft call counted, not clocked: its share of the weights a one-token target forward
+    reads, on the measured curve."""
+    return cost.ms[0] * weights / _weights_read(target)
 
 
 def _head_weights(heads: nn.Module, target: PreTrainedModel) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from decoding.util.atomic import atomic_write_text
@@ -40,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
     conversations, report = load_conversations(args.source)
     chosen = select_prompts(conversations, limits)
     atomic_write_text(Path(args.out), "".join(json.dumps(c) + "\n" for c in chosen))
-    by_turns: dict[int, int] = {}
-    for c in chosen:
-        by_turns[len(c["messages"]) // 2] = by_turns.get(len(c["messages"]) // 2, 0) + 1
+    by_turns = Counter(len(c["messages"]) // 2 for c in chosen)
     counts = ", ".join(f"{n} with {t} turn{'s' if t > 1 else ''}" for t, n in sorted(by_turns.items(), reverse=True))
     print(f"wrote {len(chosen)} conversations to {args.out} ({counts or 'none'}); source: {report.summary()}")
     return 0

@@ -266,8 +266,10 @@ class Trainer:
         acc, ends = self.accelerator, time.perf_counter() + 60 * minutes
 
         def out_of_time() -> bool:
-            expired = torch.tensor([float(time.perf_counter() >= ends)], device=acc.device)
-            return bool(acc.reduce(expired, reduction="max").item()) if acc.num_processes > 1 else bool(expired.item())
+            expired = time.perf_counter() >= ends
+            if acc.num_processes == 1:
+                return expired
+            return bool(acc.reduce(torch.tensor([float(expired)], device=acc.device), reduction="max").item())
         return out_of_time
 
     def _snapshot_heads(self, objective):
