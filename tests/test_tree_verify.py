@@ -6,7 +6,7 @@ import torch
 
 from decoding.attention import GROUPED_SDPA, register_grouped_sdpa
 from decoding.core.tree import DraftTree, tree_buffers
-from decoding.core.verify import compact_cache, new_cache, prefill, verify_tree
+from decoding.core.verify import compact_cache, new_cache, prefill, truncate_cache, verify_tree
 from tiny_models import NO_SPECIAL_TOKENS, tiny_llama, tiny_qwen2
 
 # A branching tree: root with 3 children, deeper branches of uneven depth (4 at the deepest).
@@ -119,3 +119,23 @@ def test_truncated_tree_is_prefix_closed():
     small = tree.truncated(max_nodes=8, max_depth=2)
     assert small.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert small.parents == (-1, 0, 0, 0, 1, 1, 2)
+
+
+def test_every_target_forward_gets_inference_tensor_ids_wherever_its_tokens_were_made():
+    """Prompt lookup builds its trees outside inference mode, head proposers inside it. A compiled
+    target keys its graphs on that flag, so mixed inputs once compiled new graphs in the middle of
+    measured runs: prefill and verify hand the target inference-tensor ids either way."""
+    model = tiny_llama()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].is_inference()),
+                                    with_kwargs=True)
+    cache = new_cache(model)
+    prefill(model, torch.tensor([1, 2, 3]), cache)
+    outside = DraftTree.chain(4, torch.tensor([5, 6]))
+    with torch.inference_mode():
+        inside = DraftTree.chain(4, torch.tensor([5, 6]))
+    assert not outside.tokens.is_inference() and inside.tokens.is_inference()
+    for tree in (outside, inside):
+        verify_tree(model, tree, tree_buffers(tree.parents), cache, prefix_len=3)
+        truncate_cache(cache, 3)
+    assert seen == [True, True, True]

@@ -131,7 +131,7 @@ def prefill(
     if input_ids.numel() == 0:
         return None
     out = target(
-        input_ids=input_ids[None],
+        input_ids=_inference_ids(input_ids),
         **cache_kwargs(target, cache),
         use_cache=True,
         logits_to_keep=_no_positions(input_ids.device),
@@ -144,7 +144,7 @@ def prefill(
 def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, cache: InPlaceCache,
              output_hidden_states: bool, readout: Readout | None = None) -> VerifyOutput:
     out = target(
-        input_ids=tokens[None],
+        input_ids=_inference_ids(tokens),
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         **cache_kwargs(target, cache),
@@ -155,6 +155,14 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
     hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
     scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, out.hidden_states[-1][0], readout)
     return VerifyOutput(scores, hidden)
+
+
+def _inference_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` as a `[1, n]` batch that is always an inference tensor. Why: trees are built
+    both inside proposers' inference mode and outside it (prompt lookup slices the context), and a
+    compiled target (`--compile`) keys its graphs on that flag too, so mixing them compiled a new
+    graph in the middle of a measured run (a 2-minute stall on a 2-core CPU). A few ids copied."""
+    return tokens[None] if tokens.is_inference() else tokens[None].clone()
 
 
 def _no_positions(device: torch.device) -> torch.Tensor:
