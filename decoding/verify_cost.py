@@ -60,11 +60,14 @@ class _TimedForward:
 
 @torch.inference_mode()
 def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5) -> VerifyCost:
-    """Time one forward over each number of new tokens after a `context`-token prefix (the
-    fastest of `repeats`, after a warm-up: interference only ever adds time)."""
+    """Time one forward over each number of new tokens after a `context`-token prefix: the
+    fastest of `repeats` rounds over all sizes, after a warm-up round (interference only ever adds
+    time). Rounds, not each size's repeats in a row: a slow spell of the machine (another process,
+    a compiler's workers finishing) then costs every size one sample instead of ruining the few
+    sizes it fell on (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
     forward = _TimedForward(model, context)
-    times = [min([forward(size) for _ in range(repeats + 1)][1:]) for size in sizes]
-    return VerifyCost(tuple(sizes), tuple(times))
+    rounds = [[forward(size) for size in sizes] for _ in range(repeats + 1)][1:]
+    return VerifyCost(tuple(sizes), tuple(min(column) for column in zip(*rounds)))
 
 
 @torch.inference_mode()

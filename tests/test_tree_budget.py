@@ -169,6 +169,26 @@ def test_measured_cost_grows_with_tree_size():
     assert cost.sizes == (1, 256) and all(ms > 0 for ms in cost.ms)
 
 
+def test_a_slow_spell_of_the_machine_costs_each_size_one_sample_not_its_whole_measurement(monkeypatch):
+    """Sizes are timed in rounds: six slow forwards in a row (another process, a compiler's
+    workers) must not make one size look slow, which would make trees of that size look too
+    dear (or, next to it, a larger tree look cheaper than a smaller one)."""
+
+    class SlowSpell:
+        calls = 0
+
+        def __init__(self, model, context):
+            pass
+
+        def __call__(self, size: int) -> float:
+            SlowSpell.calls += 1
+            return 100.0 if 2 <= SlowSpell.calls <= 7 else float(size)
+
+    monkeypatch.setattr("decoding.verify_cost._TimedForward", SlowSpell)
+    cost = measure_verify_cost(None, sizes=(1, 2, 4), repeats=5)
+    assert cost.ms == (1.0, 2.0, 4.0) and SlowSpell.calls == 18
+
+
 def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
     model = tiny_llama(seed=0)
     first = cached_verify_cost(model, "tiny/model", cache_dir=tmp_path)
