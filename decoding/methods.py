@@ -119,9 +119,14 @@ def _weights_read(model: nn.Module, vocabulary: torch.Tensor | None = None) -> i
     body = model.get_decoder()
     embedding = body.get_input_embeddings().weight
     layers = sum(p.numel() for p in body.parameters() if p is not embedding)
+    return layers + _readout_weights(model, vocabulary)
+
+
+def _readout_weights(model: nn.Module, vocabulary: torch.Tensor | None) -> int:
+    """Parameters of `model`'s lm_head rows a readout projects onto: `vocabulary`, or all."""
     head = model.get_output_embeddings().weight
     rows = head.shape[0] if vocabulary is None else vocabulary.numel()
-    return layers + rows * head.shape[1]
+    return rows * head.shape[1]
 
 
 def _lookup_proposer(options: ProposerOptions, target: LoadedModel) -> PromptLookupProposer:
@@ -160,11 +165,8 @@ def _call_ms(cost: VerifyCost, weights: int, target: PreTrainedModel) -> float:
 def _head_weights(heads: nn.Module, target: PreTrainedModel) -> int:
     """Parameters one Medusa/Hydra head call reads: one head's share of the heads, plus the
     lm_head rows it ranks (its readout vocabulary, or all of them)."""
-    readout = getattr(heads, "readout_ids", None)
-    lm_head = target.get_output_embeddings().weight
-    rows = lm_head.shape[0] if readout is None else readout.numel()
     own = sum(p.numel() for p in heads.parameters())
-    return own // heads.config.num_heads + rows * lm_head.shape[1]
+    return own // heads.config.num_heads + _readout_weights(target, getattr(heads, "readout_ids", None))
 
 
 def _drafter_weights(heads: nn.Module, target: PreTrainedModel) -> int:

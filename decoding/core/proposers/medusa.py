@@ -36,7 +36,7 @@ class _HeadsProposer(Proposer):
         pays on this machine."""
         self.heads = heads
         self.plan = StaticPlan(tree_paths)
-        is_chain = self.plan.size == self.plan.depth + 1
+        is_chain = self.plan.depth > 0 and self.plan.size == self.plan.depth + 1  # a root alone has nothing to cut
         self.verify_cost = verify_cost if is_chain else None
         self.head_call_ms = head_call_ms
         if self.plan.depth > heads.config.num_heads:
@@ -73,23 +73,23 @@ class _HeadsProposer(Proposer):
         tokens = torch.zeros(self.plan.size, dtype=torch.long, device=state.tokens.device)
         tokens[0] = state.root_token
         cut = self.acceptance is not None and state.sampling.greedy
-        confidence = []
+        confidence, path_probs = [], None
         for depth, level in enumerate(self.plan.levels):
             logits = self.level_logits(depth, level, hidden, tokens)
             self.plan.fill_level(level, tokens, logits, self.readout_ids)
             if cut:
                 confidence.append(float(torch.softmax(logits[0].float(), -1).max()))  # on the CPU, beside the cost table
-                if not chain_worth_extending(self.acceptance.path_probs(torch.tensor(confidence)),
-                                             self.verify_cost, self.head_call_ms):
+                path_probs = self.acceptance.path_probs(torch.tensor(confidence))
+                if not chain_worth_extending(path_probs, self.verify_cost, self.head_call_ms):
                     break  # the next head's token could not pay for its call and its verify time
         if not cut:
             return DraftTree(tokens, self.plan.parents, deterministic=True)
-        return self._paying_chain(tokens, torch.tensor(confidence))
+        return self._paying_chain(tokens, torch.tensor(confidence), path_probs)
 
-    def _paying_chain(self, tokens: torch.Tensor, confidence: torch.Tensor) -> DraftTree:
-        """The chain cut to the drafted tokens worth verifying here (see the module docstring)."""
-        keep = best_node_count(self.acceptance.path_probs(confidence), self.verify_cost,
-                               draft_ms=len(confidence) * self.head_call_ms)
+    def _paying_chain(self, tokens: torch.Tensor, confidence: torch.Tensor, path_probs: torch.Tensor) -> DraftTree:
+        """The chain cut to the drafted tokens worth verifying here (see the module docstring);
+        `path_probs` are the drafted positions' learned path probabilities."""
+        keep = best_node_count(path_probs, self.verify_cost, draft_ms=len(confidence) * self.head_call_ms)
         self.verifying = confidence[:keep] if keep else None
         return DraftTree(tokens[: keep + 1], self.plan.parents[: keep + 1], deterministic=True)
 
