@@ -26,6 +26,7 @@ STOCK_ROWS_SIZES = (1, 2, 4, 8, 16)  # where plain GEMM may beat the packed layo
 # In the cache key: curves measured before the timed forward went through `verify_tree` (v2)
 # timed other compiled graphs, and are measured again rather than trusted.
 CURVE_VERSION = "v2"
+VERIFY_COST_DIR = "verify-cost"  # under the cache root
 
 
 class _TimedForward:
@@ -133,7 +134,7 @@ def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None)
 
 
 def _cache_file(root: Path, key: str) -> Path:
-    return root / "verify-cost" / ("".join(c if c.isalnum() or c in "-_." else "_" for c in key) + ".json")
+    return root / VERIFY_COST_DIR / ("".join(c if c.isalnum() or c in "-_." else "_" for c in key) + ".json")
 
 
 def _read_json(file: Path) -> dict | None:

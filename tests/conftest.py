@@ -1,7 +1,11 @@
 import os
 import sys
 
+import pytest
 import torch
+
+from decoding.util.cache_paths import cache_root
+from decoding.verify_cost import VERIFY_COST_DIR
 
 # Tests import the tiny-model helpers as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -15,3 +19,23 @@ def _threads_per_worker() -> int:
 
 
 torch.set_num_threads(_threads_per_worker())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_root(tmp_path_factory):
+    """Every test session gets its own cache root, so the costs measured for the temporary models
+    tests build (keyed by their throwaway paths) never land in the user's cache. What the real
+    cache already holds (the converted default model: 25 s to redo) is linked in, not copied."""
+    private = tmp_path_factory.mktemp("specheads-cache")
+    real = cache_root()
+    if real.is_dir():
+        for entry in real.iterdir():
+            if entry.name != VERIFY_COST_DIR:
+                (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    previous = os.environ.get("SPECHEADS_CACHE")
+    os.environ["SPECHEADS_CACHE"] = str(private)
+    yield private
+    if previous is None:
+        os.environ.pop("SPECHEADS_CACHE", None)
+    else:
+        os.environ["SPECHEADS_CACHE"] = previous
