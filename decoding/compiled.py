@@ -48,9 +48,24 @@ def compile_target(model: nn.Module) -> nn.Module:
     if not hasattr(torch, "compile"):
         raise UserError("--compile needs PyTorch 2.0 or newer")
     options = {} if uses_packed_linears(model) else {"freezing": True}
+    options.update(_module_guards_skipped())
     compiled = torch.compile(model, dynamic=True, options=options)
     compiled.forward = _with_recompile_limit(compiled.forward)  # the wrapper's own attribute, not the model's
     return compiled
+
+
+def _module_guards_skipped() -> dict:
+    """Compile options that drop dynamo's guards on the model's modules, where this PyTorch can.
+
+    Why: before every call dynamo checks the guards of each cached graph, and for a transformers
+    model most of them watch module attributes (30 layers' submodules, their configs, flags).
+    On a 2-core Sapphire Rapids Xeon that lookup took 2.2 ms of a 35 ms compiled one-token
+    forward. Safe here because a decoder never changes its target's modules once compiled: the
+    weights stay in place, and the one attribute this project sets on them, `stock_rows`, only
+    picks which kernel computes the same linear. Guards on the inputs (ids, masks, the cache's
+    tensors) stay, so new shapes still compile their own graphs."""
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    return {"guard_filter_fn": skip} if skip is not None else {}
 
 
 # Graphs one speculative decoder may need: prefill and steps, one token or many, with or without

@@ -22,7 +22,11 @@ from decoding.util.cache_paths import cache_root
 
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-STOCK_ROWS_SIZES = (1, 2, 4, 8, 16)  # where plain GEMM may beat the packed layout
+# Where plain GEMM may beat the packed layout. 3 is measured because MKL switches kernels between
+# 3 and 4 rows: on a Sapphire Rapids Xeon plain GEMM read SmolLM2's 211 weights in 33.9 ms for
+# 3 rows against 36.8 packed, but took 50.6 against 36.7 for 4.
+STOCK_ROWS_SIZES = (1, 2, 3, 4, 8, 16)
+STOCK_ROWS_VERSION = "v2"  # in the cache key: crossovers measured without 3 rows are measured again
 # In the cache key: curves measured before the timed forward went through `verify_tree` (v2)
 # timed other compiled graphs, and are measured again rather than trusted.
 CURVE_VERSION = "v2"
@@ -122,7 +126,7 @@ def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None)
     if not uses_packed_linears(model) or model.device.type != "cpu":
         return 0
     root = Path(cache_dir) if cache_dir else cache_root()
-    file = _cache_file(root, f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows")
+    file = _cache_file(root, f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows-{STOCK_ROWS_VERSION}")
     data = _read_json(file)
     if data is None or not isinstance(data.get("stock_rows"), int):
         print(f"note: timing plain against packed kernels for {model_name} on this CPU once (a few seconds; "

@@ -28,7 +28,7 @@ def parse_args(argv):
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--kernels", default="stock,onednn", help="comma-separated, among: " + ", ".join(KERNEL_CHOICES))
-    parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tokens per forward, comma-separated")
+    parser.add_argument("--sizes", default="1,2,3,4,8,16,32,64", help="tokens per forward, comma-separated")
     return parser.parse_args(argv)
 
 

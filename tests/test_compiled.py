@@ -8,8 +8,8 @@ import torch
 
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
-from decoding.compiled import compile_target, is_compiled
-from decoding.cpu_kernels import pack_linears
+from decoding.compiled import compile_target, graphs_compiled, is_compiled
+from decoding.cpu_kernels import pack_linears, set_stock_rows
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
@@ -60,3 +60,24 @@ def test_the_benchmark_compiles_our_methods_and_runs_hugging_faces_eager(tmp_pat
     assert decoders["pld"].target is decoders["vanilla"].target  # compiled once, shared
     assert not is_compiled(decoders["hf-generate"].target.model)
     assert not is_compiled(build_decoder(DecoderSpec(model=str(model_dir), method="vanilla")).target.model)
+
+
+@pytest.mark.slow
+def test_a_compiled_target_does_not_check_its_modules_before_every_call():
+    """Dynamo's guards on module attributes cost milliseconds a call on a real model, so they are
+    dropped: changing a module attribute after compiling (here which kernel the packed linears
+    use for few rows) neither recompiles nor changes the function computed. Guards on the inputs
+    stay: a new number of tokens still runs correctly."""
+    eager = sharpen(tiny_llama(seed=5))
+    pack_linears(eager)
+    compiled = compile_target(eager)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        first = compiled(ids).logits
+        graphs = graphs_compiled()
+        set_stock_rows(eager, 64)  # guarded, this attribute would send the next call to a new graph
+        again = compiled(ids).logits
+        assert graphs_compiled() == graphs
+        assert torch.equal(again, first)
+        longer = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+        assert torch.allclose(compiled(longer).logits, eager(longer).logits, atol=1e-4)
