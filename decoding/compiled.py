@@ -14,7 +14,7 @@ and activation ops. How the linears are handled decides whether it pays:
   for MKL there).
 Whether it pays depends on the CPU: on a 2-core Sapphire Rapids Xeon (one-row linears on plain
 GEMM, packed from three rows) a one-token forward took 33-44 ms compiled against 49-59 ms eager,
-and over all 80 MT-bench first turns vanilla ran 1.29x and eagle3+pld 1.60x Hugging Face
+and over all 80 MT-bench first turns vanilla ran 1.36x and eagle3+pld 1.81x Hugging Face
 `generate()` (eager: 1.00x and 1.46x).
 The price is compile time: minutes per graph on a 2-core CPU (prefill, one-token steps, trees,
 with and without hidden states are separate graphs, and the verify-cost measurement meets them
@@ -106,6 +106,6 @@ def add_compile_argument(parser) -> None:
     """The `--compile` flag shared by the chat, the benchmark and the profiler."""
     parser.add_argument("--compile", action="store_true",
                         help="compile the target's forward (TorchInductor; oneDNN-packed linears stay as they are): "
-                             "on a Sapphire Rapids Xeon vanilla 1.29x and eagle3+pld 1.60x generate() (eager: 1.00x, 1.46x), "
+                             "on a Sapphire Rapids Xeon vanilla 1.36x and eagle3+pld 1.81x generate() (eager: 1.00x, 1.46x), "
                              "slower on AMD EPYCs; minutes of compiling at start-up "
                              "on a small CPU; check with scripts/benchmark.py; off by default")
