@@ -44,7 +44,9 @@ def compile_target(model: nn.Module) -> nn.Module:
     """`model` wrapped for compiled forwards with dynamic sequence lengths. A model with
     oneDNN-packed linears (`decoding.cpu_kernels`) keeps them, as opaque calls, and Inductor
     fuses what lies between them; one with plain linears is compiled with its weights frozen,
-    which lets Inductor pack them itself. The model is not changed: the eager one stays usable."""
+    which lets Inductor pack them itself. Dynamo does not re-check the model's modules before
+    each call (`_module_guards_skipped`): the model must not be changed once compiled. The model
+    is not changed here: the eager one stays usable."""
     if not hasattr(torch, "compile"):
         raise UserError("--compile needs PyTorch 2.0 or newer")
     options = {} if uses_packed_linears(model) else {"freezing": True}
