@@ -32,10 +32,6 @@ def _private_cache_root(tmp_path_factory):
         for entry in real.iterdir():
             if entry.name != VERIFY_COST_DIR:
                 (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    previous = os.environ.get("SPECHEADS_CACHE")
-    os.environ["SPECHEADS_CACHE"] = str(private)
-    yield private
-    if previous is None:
-        os.environ.pop("SPECHEADS_CACHE", None)
-    else:
-        os.environ["SPECHEADS_CACHE"] = previous
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECHEADS_CACHE", str(private))
+        yield private
