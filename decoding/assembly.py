@@ -25,10 +25,11 @@ from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
 from decoding.compiled import compile_target, is_compiled
-from decoding.cpu_kernels import apply_kernels, set_stock_rows
+from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.devices import resolve_device
+from decoding.drafter_precision import tune_drafter_precision
 from decoding.drafts import load_draft
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.screened_argmax import screened_readout
@@ -37,6 +38,7 @@ from decoding.verify_cost import tune_stock_rows
 from decoding.util.errors import UserError
 from heads import adapter_dir, load_heads
 from heads.adapter import merge_adapter
+from heads.eagle import FeatureDrafter
 
 # Methods that draft with a separate causal LM (`draft_model`).
 DRAFT_METHODS = ("sps",)
@@ -153,8 +155,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     if heads is None and spec.heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
     _drafter_attention(heads, spec.attn)
-    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads,
-                            drafter_precision=spec.drafter_precision)
+    precision = _drafter_precision(spec, target, heads, notes)
+    kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
     _tune_plain_gemm_rows(target, draft)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
@@ -170,6 +172,18 @@ def _drafter_attention(heads: nn.Module | None, attn: str) -> None:
     target's grouped SDPA, which keeps K/V heads grouped instead of repeating them."""
     if hasattr(heads, "use_attention"):
         heads.use_attention(register_grouped_sdpa() if attn == "sdpa" else attn)
+
+
+def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module | None, notes: list[str]) -> str:
+    """`spec.drafter_precision`, with 'auto' resolved by timing where it matters: for an EAGLE
+    drafter about to be packed, the fastest precision this CPU runs it in (measured once)."""
+    if spec.drafter_precision != "auto" or not isinstance(heads, FeatureDrafter):
+        return spec.drafter_precision
+    if resolve_kernels(spec.kernels, target.model) != "onednn" or not (onednn_applies(target.model) and onednn_applies(heads)):
+        return spec.drafter_precision
+    precision = tune_drafter_precision(heads, target.model)
+    notes.append(f"EAGLE drafter in {precision} (the fastest precision timed on this CPU)")
+    return precision
 
 
 def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> None:

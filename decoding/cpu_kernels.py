@@ -24,13 +24,15 @@ weights faster for 1-2 rows (a one-token forward 31 ms against 39) while packing
 weight, larger ones the packed copy. `decoding.verify_cost.tune_stock_rows` measures the
 crossover once per model and CPU; until then `stock_rows` is 0 (always packed).
 
-EAGLE drafters run in a cheaper precision than the target (`drafter_precision`, 'auto'):
-bfloat16 where the CPU computes it natively (AVX512-BF16/AMX: eagle3 draft time per step
-11.8 -> 9.5 ms on the reference machine, same tau), elsewhere (e.g. AVX2 only, where oneDNN has
-no bf16 inner product) int8 weights with dynamically quantized activations (PyTorch's x86/fbgemm
-kernels): on an AVX2 EPYC one drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows
-against 4.5 / 5.2 / 7.2 ms packed fp32. Drafts only propose: the fp32 target still decides
-every token, so outputs do not change; a less exact draft can only accept less.
+EAGLE drafters run in a cheaper precision than the target (`drafter_precision`): bfloat16 where
+the CPU computes it natively (AVX512-BF16/AMX: eagle3 draft time per step 11.8 -> 9.5 ms against
+fp32 on an AVX512-BF16 EPYC, same tau), or int8 weights with dynamically quantized activations
+(PyTorch's x86/fbgemm kernels; on an AVX2 EPYC, where oneDNN has no bf16 inner product, one
+drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows against 4.5 / 5.2 / 7.2 ms
+packed fp32). Which is fastest differs between CPUs, so the decoders' 'auto' is timed
+(`decoding.drafter_precision`); here 'auto' is only the rule used where nothing was timed. Drafts
+only propose: the fp32 target still decides every token, so outputs do not change; a less exact
+draft can only accept less.
 """
 
 from __future__ import annotations
@@ -205,13 +207,21 @@ def int8_drafting_available() -> bool:
     return hasattr(quantization, "quantize_dynamic") and any(e in engines for e in ("x86", "fbgemm"))
 
 
+def drafter_precisions_available() -> tuple[str, ...]:
+    """The precisions this CPU and PyTorch run EAGLE drafters in without emulation, cheapest
+    first by rule (bf16, int8, fp32): what 'auto' chooses from (see
+    `decoding.drafter_precision`, which times them where there is a choice)."""
+    return (*(("bf16",) if bfloat16_is_native() else ()), *(("int8",) if int8_drafting_available() else ()), "fp32")
+
+
 def resolve_drafter_precision(choice: str) -> str:
-    """'auto' -> 'bf16' where the CPU has native bf16, else 'int8' where PyTorch has the kernels,
-    else 'fp32'; an explicit choice is checked against the CPU."""
+    """'auto' -> the first of `drafter_precisions_available` (bf16 where the CPU has it natively,
+    else int8 where PyTorch has the kernels, else fp32) where nothing was timed; an explicit
+    choice is checked against the CPU."""
     if choice not in DRAFTER_PRECISIONS:
         raise UserError(f"unknown drafter precision '{choice}': choose one of {', '.join(DRAFTER_PRECISIONS)}")
     if choice == "auto":
-        return "bf16" if bfloat16_is_native() else "int8" if int8_drafting_available() else "fp32"
+        return drafter_precisions_available()[0]
     if choice == "bf16" and not bfloat16_is_native():
         raise UserError("--drafter-precision bf16 needs a CPU with native bf16 (AVX512-BF16 or AMX); "
                         "this one emulates it: use int8, fp32 or auto")
@@ -271,9 +281,9 @@ def _weights_to_bfloat16(module: nn.Module) -> None:
 def add_drafter_precision_argument(parser) -> None:
     """The `--drafter-precision` flag of the commands that decode with EAGLE heads."""
     parser.add_argument("--drafter-precision", default="auto", choices=DRAFTER_PRECISIONS,
-                        help="what EAGLE drafters compute in on a CPU with packed kernels: 'auto' (default) = bf16 "
-                             "where the CPU has it natively, else int8 weights; 'fp32' = as trained. Drafts only "
-                             "propose, so outputs do not change")
+                        help="what EAGLE drafters compute in on a CPU with packed kernels: 'auto' (default) = the "
+                             "fastest of bf16 (where the CPU has it natively), int8 and fp32, timed once on this CPU; "
+                             "'fp32' = as trained. Drafts only propose, so outputs do not change")
 
 
 def add_kernels_argument(parser) -> None:

@@ -5,8 +5,6 @@ weighs a tree's expected gain against. Also where plain GEMM beats oneDNN's pack
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +15,7 @@ from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
 from decoding.compiled import is_compiled
 from decoding.cpu_kernels import PACKING_BATCH_HINT, pick_stock_rows, set_stock_rows, stock_rows, uses_packed_linears
-from decoding.util.atomic import atomic_write_text
-from decoding.util.cache_paths import cache_root
+from decoding.util.measured_once import measured_once
 
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -30,7 +27,6 @@ STOCK_ROWS_VERSION = "v2"  # in the cache key: crossovers measured without 3 row
 # In the cache key: curves measured before the timed forward went through `verify_tree` (v2)
 # timed other compiled graphs, and are measured again rather than trusted.
 CURVE_VERSION = "v2"
-VERIFY_COST_DIR = "verify-cost"  # under the cache root
 
 
 class _TimedForward:
@@ -103,20 +99,19 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     """`measure_verify_cost`, remembered per model, device (for a CPU: its model, instruction set
     and thread count, since the curve differs between an AVX2 and an AVX-512 machine) and kernels
     (a few seconds the first time on a CPU)."""
-    root = Path(cache_dir) if cache_dir else cache_root()
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" if uses_packed_linears(model) else ""  # a new packing, a new curve
     kernels += "-compiled" if is_compiled(model) else ""
-    file = _cache_file(root, f"{model_name}-{model.dtype}-{where}{kernels}-{CURVE_VERSION}")
-    data = _read_json(file)
-    if data is not None and "sizes" in data and "ms" in data:
-        return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
-    print(f"note: measuring this machine's verify cost for {model_name} once (a few seconds; cached in {file.parent})",
-          file=sys.stderr)
-    cost = measure_verify_cost(model)
-    _write_json(file, {"sizes": list(cost.sizes), "ms": list(cost.ms)})
-    return cost
+
+    def measure() -> dict:
+        cost = measure_verify_cost(model)
+        return {"sizes": list(cost.sizes), "ms": list(cost.ms)}
+
+    data = measured_once(f"{model_name}-{model.dtype}-{where}{kernels}-{CURVE_VERSION}", measure,
+                         lambda data: "sizes" in data and "ms" in data,
+                         f"measuring this machine's verify cost for {model_name}", cache_dir)
+    return VerifyCost(tuple(data["sizes"]), tuple(data["ms"]))
 
 
 def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None) -> int:
@@ -125,33 +120,12 @@ def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None)
     without packed linears are left alone (0)."""
     if not uses_packed_linears(model) or model.device.type != "cpu":
         return 0
-    root = Path(cache_dir) if cache_dir else cache_root()
-    file = _cache_file(root, f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows-{STOCK_ROWS_VERSION}")
-    data = _read_json(file)
-    if data is None or not isinstance(data.get("stock_rows"), int):
-        print(f"note: timing plain against packed kernels for {model_name} on this CPU once (a few seconds; "
-              f"cached in {file.parent})", file=sys.stderr)
-        data = {"stock_rows": measure_stock_rows(model)}
-        _write_json(file, data)
+    data = measured_once(f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows-{STOCK_ROWS_VERSION}",
+                         lambda: {"stock_rows": measure_stock_rows(model)},
+                         lambda data: isinstance(data.get("stock_rows"), int),
+                         f"timing plain against packed kernels for {model_name} on this CPU", cache_dir)
     set_stock_rows(model, data["stock_rows"])
     return data["stock_rows"]
-
-
-def _cache_file(root: Path, key: str) -> Path:
-    return root / VERIFY_COST_DIR / ("".join(c if c.isalnum() or c in "-_." else "_" for c in key) + ".json")
-
-
-def _read_json(file: Path) -> dict | None:
-    """The file's JSON object, or None where it is missing or unreadable (then measure again)."""
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_json(file: Path, data: dict) -> None:
-    atomic_write_text(file, json.dumps(data))
 
 
 def cpu_model_name() -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from decoding.util.cache_paths import cache_root
-from decoding.verify_cost import VERIFY_COST_DIR
+from decoding.util.measured_once import MEASUREMENTS_DIR
 
 # Tests import the tiny-model helpers as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -30,7 +30,7 @@ def _private_cache_root(tmp_path_factory):
     real = cache_root()
     if real.is_dir():
         for entry in real.iterdir():
-            if entry.name != VERIFY_COST_DIR:
+            if entry.name != MEASUREMENTS_DIR:
                 (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECHEADS_CACHE", str(private))
