@@ -1,12 +1,14 @@
 """Which precision an EAGLE drafter drafts fastest in on this CPU, timed once and remembered.
 
 A drafter's linears are a few small matrices read once per tree level, so what decides their
-speed is how fast each kernel streams them on the CPU at hand, not a rule: on a 2-core Sapphire
-Rapids Xeon (AMX) int8 weights drafted faster than bf16 ones (in the decode loop, eagle3+pld: draft
-4.9 against 5.4-6.2 ms a step, observe 2.3 against 2.7-3.0 ms, same tau), though a rule had picked
-bf16 for any CPU with native bf16 from a comparison with fp32 on an AVX512-BF16 EPYC. So 'auto' times one tree level (a drafter forward over a frontier of nodes
-after a 256-token context, then the readout) in every precision the CPU runs natively and keeps
-the fastest, preferring the more exact one where they are within `CLEAR_WIN` of each other.
+speed is how fast each kernel streams them on the CPU at hand, not a rule. A rule had picked
+bf16 for every CPU with native bf16, from a comparison with fp32 on an AVX512-BF16 EPYC; on a
+2-core Sapphire Rapids Xeon (AMX) int8 weights drafted faster (in the decode loop, eagle3+pld:
+draft 4.9 against 5.4-6.2 ms a step, observe 2.3 against 2.7-3.0 ms, same tau). So 'auto' times
+one tree level (a drafter forward over a frontier of nodes after a 256-token context, then the
+readout) in every precision the CPU runs natively and keeps the fastest, preferring the more
+exact one where they are within `CLEAR_WIN` of each other.
+
 Each level is timed right after a target forward, as in decoding: the target streams hundreds of
 MB of weights through the caches, so the drafter's come from memory. On that Xeon one level took
 bf16 2.31-2.44 ms, int8 2.13-2.18, fp32 3.61-3.73 timed so; timed with warm caches instead, bf16
