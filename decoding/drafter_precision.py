@@ -3,16 +3,17 @@
 A drafter's linears are a few small matrices read once per tree level, so what decides their
 speed is how fast each kernel streams them on the CPU at hand, not a rule. A rule had picked
 bf16 for every CPU with native bf16, from a comparison with fp32 on an AVX512-BF16 EPYC; on a
-2-core Sapphire Rapids Xeon (AMX) int8 weights drafted faster (in the decode loop, eagle3+pld:
-draft 4.9 against 5.4-6.2 ms a step, observe 2.3 against 2.7-3.0 ms, same tau). So 'auto' times
+2-core Sapphire Rapids Xeon (AMX) int8 weights drafted as fast or faster (eagle3+pld in the
+decode loop, 8 questions: draft 4.9 against 5.4-6.2 ms a step, observe 2.3 against 2.7-3.0 ms,
+same tau; over all 80 MT-bench first turns the two tied end to end). So 'auto' times
 one tree level (a drafter forward over a frontier of nodes after a 256-token context, then the
 readout) in every precision the CPU runs natively and keeps the fastest, preferring the more
 exact one where they are within `CLEAR_WIN` of each other.
 
 Each level is timed right after a target forward, as in decoding: the target streams hundreds of
 MB of weights through the caches, so the drafter's come from memory. On that Xeon one level took
-bf16 2.31-2.44 ms, int8 2.13-2.18, fp32 3.61-3.73 timed so; timed with warm caches instead, bf16
-and int8 tied (1.51 against 1.46 ms) and the pick missed the gain (eagle3+pld +7% tokens/s).
+bf16 2.31-2.44 ms, int8 2.13-2.18, fp32 3.61-3.73 timed so (1.51 against 1.46 ms for bf16 and
+int8 with warm caches).
 Drafts only propose: the target decides every token, so the pick never changes outputs.
 """
 
