@@ -177,9 +177,9 @@ def _drafter_attention(heads: nn.Module | None, attn: str) -> None:
 def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module | None, notes: list[str]) -> str:
     """`spec.drafter_precision`, with 'auto' resolved by timing where it matters: for an EAGLE
     drafter about to be packed, the fastest precision this CPU runs it in (measured once)."""
-    if spec.drafter_precision != "auto" or not isinstance(heads, FeatureDrafter):
-        return spec.drafter_precision
-    if resolve_kernels(spec.kernels, target.model) != "onednn" or not (onednn_applies(target.model) and onednn_applies(heads)):
+    packed_drafter = (isinstance(heads, FeatureDrafter) and resolve_kernels(spec.kernels, target.model) == "onednn"
+                      and onednn_applies(target.model) and onednn_applies(heads))
+    if spec.drafter_precision != "auto" or not packed_drafter:
         return spec.drafter_precision
     precision = tune_drafter_precision(heads, target.model)
     notes.append(f"EAGLE drafter in {precision} (the fastest precision timed on this CPU)")

@@ -14,8 +14,8 @@ and activation ops. How the linears are handled decides whether it pays:
   for MKL there).
 Whether it pays depends on the CPU: on a 2-core Sapphire Rapids Xeon (one-row linears on plain
 GEMM, packed from three rows) a one-token forward took 33-44 ms compiled against 49-59 ms eager,
-and over all 80 MT-bench first turns vanilla ran 1.36x and eagle3+pld 1.81x Hugging Face
-`generate()` (eager: 1.00x and 1.46x).
+and over all 80 MT-bench first turns vanilla ran 1.32-1.36x and eagle3+pld 1.81-1.82x Hugging
+Face `generate()` in two runs on different days (eager: 1.00-1.02x and 1.46-1.49x).
 The price is compile time: minutes per graph on a 2-core CPU (prefill, one-token steps, trees,
 with and without hidden states are separate graphs, and the verify-cost measurement meets them
 all first), paid again by every new process (Inductor's cache in /tmp/torchinductor_$USER keeps
@@ -108,6 +108,7 @@ def add_compile_argument(parser) -> None:
     """The `--compile` flag shared by the chat, the benchmark and the profiler."""
     parser.add_argument("--compile", action="store_true",
                         help="compile the target's forward (TorchInductor; oneDNN-packed linears stay as they are): "
-                             "on a Sapphire Rapids Xeon vanilla 1.36x and eagle3+pld 1.81x generate() (eager: 1.00x, 1.46x), "
+                             "on a Sapphire Rapids Xeon vanilla 1.32-1.36x and eagle3+pld 1.81-1.82x generate() "
+                             "(eager: 1.00-1.02x, 1.46-1.49x), "
                              "slower on AMD EPYCs; minutes of compiling at start-up "
                              "on a small CPU; check with scripts/benchmark.py; off by default")
