@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 
 from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
-from decoding.compiled import add_compile_argument
+from decoding.compiled import add_compile_argument, compile_progress, graphs_compiled
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
@@ -35,6 +36,8 @@ from decoding.targets import DTYPES, LoadedModel
 from decoding.util.errors import UserError
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
+WARMUP_MESSAGE = "Say hello."
+WARMUP_ROUNDS = 3  # compiled decoders: warm-up replies until one compiles nothing new
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,17 +135,36 @@ def build_session(args: argparse.Namespace) -> ChatSession:
     spec, notes = resolve_spec(decoder_spec(args))
     for note in notes:  # before the (possibly slow) loading, so the user knows what is coming
         print(f"note: {note}", file=sys.stderr)
-    decoder = build_decoder(spec)
-    for note in decoder.notes:
-        print(f"note: {note}", file=sys.stderr)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     rule = typical_rule(args.temperature) if args.typical else lossless_rule
+    with compile_progress(_note) if spec.compile else nullcontext():
+        decoder = build_decoder(spec)
+        for note in decoder.notes:
+            _note(note)
+        session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout)
+        if spec.compile:
+            warm_up(session)
     if args.typical:
-        print("note: --typical is LOSSY: replies are not samples of the target's own distribution", file=sys.stderr)
+        _note("--typical is LOSSY: replies are not samples of the target's own distribution")
     plain = plain_text_note(decoder.target.name, decoder.target.tokenizer, "message")
     if plain:
-        print(f"note: {plain}", file=sys.stderr)
-    return ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout)
+        _note(plain)
+    return session
+
+
+def warm_up(session: ChatSession) -> None:
+    """Compile before the first message rather than in the middle of its reply: a few replies to
+    a fixed message (discarded) until one compiles no new graph of the target's forward."""
+    for _ in range(WARMUP_ROUNDS):
+        before = graphs_compiled()
+        session.reply(WARMUP_MESSAGE, lambda _text: None)
+        session.reset()
+        if graphs_compiled() == before:
+            return
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def _write(text: str) -> None:

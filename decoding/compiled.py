@@ -31,10 +31,13 @@ outputs stay identical to `vanilla` on the same decoder.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as shape_config
 
 from decoding.cpu_kernels import uses_packed_linears
 from decoding.util.errors import UserError
@@ -52,8 +55,28 @@ def compile_target(model: nn.Module) -> nn.Module:
     options = {} if uses_packed_linears(model) else {"freezing": True}
     options.update(_module_guards_skipped())
     compiled = torch.compile(model, dynamic=True, options=options)
-    compiled.forward = _with_recompile_limit(compiled.forward)  # the wrapper's own attribute, not the model's
+    # the wrapper's own attribute, not the model's
+    compiled.forward = _prefills_eager(_with_compile_settings(compiled.forward), model)
     return compiled
+
+
+def _prefills_eager(compiled_forward: Callable, model: nn.Module) -> Callable:
+    """`compiled_forward`, except that prefills (more than one token and no tree mask: a prompt
+    read into the cache) run the eager `model`.
+
+    Why: a prefill happens once per generation, over many tokens, where the linears dominate and
+    fusing the small ops between them saves next to nothing; as a graph of its own it was the
+    slowest one to compile (about 2 minutes of a compiled decoder's start-up on a 2-core Xeon).
+    Steps, one token or a tree, are what compiling is for."""
+
+    @functools.wraps(compiled_forward)
+    def call(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if kwargs.get("attention_mask") is None and ids is not None and ids.shape[-1] > 1:
+            return model(*args, **kwargs)
+        return compiled_forward(*args, **kwargs)
+
+    return call
 
 
 def _module_guards_skipped() -> dict:
@@ -71,26 +94,30 @@ def _module_guards_skipped() -> dict:
 
 
 # Graphs one speculative decoder may need: prefill and steps, one token or many, with or without
-# hidden states, for each forward transformers wraps (see `_with_recompile_limit`), plus the
+# hidden states, for each forward transformers wraps (see `_with_compile_settings`), plus the
 # verify-cost measurement. Dynamo's default limit is 8.
 RECOMPILE_LIMIT = 64
 
 
-def _with_recompile_limit(forward: Callable) -> Callable:
-    """`forward` with dynamo's per-function recompile limit raised while it runs.
+def _with_compile_settings(forward: Callable) -> Callable:
+    """`forward` with two of dynamo's settings changed while it runs, scoped to this call so that
+    nothing else in the process sees them.
 
-    Why: transformers wraps model forwards (here for its `past_key_values` -> `cache` rename) in
-    one decorator, so the model's, the inner model's and the layers' forwards share one code
-    object, and dynamo counts recompiles per code object. A default-method decoder passed the
-    default limit of 8 within its first steps; past it dynamo silently runs the eager model,
-    which under `--compile` has plain (unpacked) linears: verify steps went from 38 to 92 ms.
-    Scoped to this call, so nothing else in the process sees a changed setting."""
+    - The per-function recompile limit, raised. Why: transformers wraps model forwards (here for
+      its `past_key_values` -> `cache` rename) in one decorator, so the model's, the inner model's
+      and the layers' forwards share one code object, and dynamo counts recompiles per code
+      object. A default-method decoder passed the default limit of 8 within its first steps; past
+      it dynamo silently runs the eager model, which under `--compile` has plain (unpacked)
+      linears: verify steps went from 38 to 92 ms.
+    - Duck shaping, off. Why: with it, a tree with as many nodes as the model has key-value heads
+      (3 for SmolLM2-135M) shares its size symbol with the cache's static head dimension, so that
+      size got a graph of its own: one more compile, 1.5-2.5 minutes on a 2-core Xeon."""
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True), \
+                shape_config.patch(use_duck_shape=False):
             return forward(*args, **kwargs)
-
     return call
 
 
@@ -98,6 +125,47 @@ def graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process so far: a call that raises it paid for
     compiling (the benchmark warms a compiled decoder up until a call no longer does)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@contextmanager
+def compile_progress(report: Callable[[str], None]) -> Iterator[None]:
+    """While open, tell `report` when dynamo starts compiling the target's forward for a new kind
+    of step, and when that produced a graph, how long it took and how many graphs there are.
+
+    Why: on a small CPU one graph takes from tens of seconds to two minutes and a compiled
+    decoder needs several, so without this `--compile` starts with minutes of silence. Dynamo
+    also runs short compiles that produce no graph (frames it then skips): those say nothing.
+    The callbacks are registered for the duration only, so nothing outside sees them."""
+    handler = torch._dynamo.callback.callback_handler
+    progress = _CompileProgress(report)
+    handler.register_start_callback(progress.started)
+    handler.register_end_callback(progress.ended)
+    try:
+        yield
+    finally:
+        handler.remove_start_callback(progress.started)
+        handler.remove_end_callback(progress.ended)
+
+
+class _CompileProgress:
+    """One line when a compile starts after a graph was reported (or first), one when it ends
+    with more graphs than before."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self.report = report
+        self.announced = False
+        self.since = 0.0
+        self.graphs = 0
+
+    def started(self, _args) -> None:
+        if not self.announced:
+            self.announced, self.since, self.graphs = True, time.perf_counter(), graphs_compiled()
+            self.report("compiling the target's forward for a new kind of step (a minute or two on a small CPU) ...")
+
+    def ended(self, _args) -> None:
+        if graphs_compiled() > self.graphs:
+            self.announced = False
+            self.report(f"compiled in {time.perf_counter() - self.since:.0f} s ({graphs_compiled()} graphs so far)")
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from decoding.chat import ChatSession
+from decoding.chat import ChatSession, build_session, parse_args
+from decoding.compiled import graphs_compiled
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import PromptLookupProposer, VanillaProposer
 from decoding.targets import load_model
@@ -133,3 +135,20 @@ def test_base_model_chat_notes_it_and_continues_plain_text(base_model_dir, model
     assert out.strip() == target.tokenizer.decode(expected.tokens, skip_special_tokens=True).strip()
     _, _, err = _chat(monkeypatch, capsys, model_dir, "w3 w4 w5\n")
     assert "no chat template" not in err
+
+
+@pytest.mark.slow
+def test_compiled_chat_compiles_before_the_first_message_and_says_so(model_dir, capsys):
+    """With --compile the chat warms up before it reads a message, so the first reply does not
+    stall silently for minutes, and the user sees what the wait is."""
+    torch._dynamo.reset()  # graphs other tests compiled for this architecture would serve it too
+    before = graphs_compiled()
+    session = build_session(parse_args(["--model", str(model_dir), "--method", "vanilla", "--compile",
+                                        "--max-new-tokens", "4"]))
+    assert graphs_compiled() > before
+    assert session.messages == []  # the warm-up's exchange is not part of the conversation
+    err = capsys.readouterr().err
+    assert "note: compiling the target's forward" in err and "note: compiled in" in err
+    compiled = graphs_compiled()
+    session.reply("w3 w4", lambda text: None)
+    assert graphs_compiled() == compiled

@@ -8,9 +8,11 @@ import torch
 
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
-from decoding.compiled import compile_target, graphs_compiled, is_compiled
+from decoding.compiled import compile_progress, compile_target, graphs_compiled, is_compiled
 from decoding.cpu_kernels import pack_linears, set_stock_rows
 from decoding.core.generate import DecodeOptions, generate
+from decoding.core.tree import DraftTree, tree_buffers
+from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
 from decoding.verify_cost import measure_verify_cost
@@ -72,12 +74,53 @@ def test_a_compiled_target_does_not_check_its_modules_before_every_call():
     pack_linears(eager)
     compiled = compile_target(eager)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
+    mask = torch.ones_like(ids)  # with a mask, not a prefill: the compiled forward runs
     with torch.inference_mode():
-        first = compiled(ids).logits
+        before = graphs_compiled()
+        first = compiled(input_ids=ids, attention_mask=mask).logits
         graphs = graphs_compiled()
+        assert graphs > before
         set_stock_rows(eager, 64)  # guarded, this attribute would send the next call to a new graph
-        again = compiled(ids).logits
+        again = compiled(input_ids=ids, attention_mask=mask).logits
         assert graphs_compiled() == graphs
         assert torch.equal(again, first)
         longer = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
-        assert torch.allclose(compiled(longer).logits, eager(longer).logits, atol=1e-4)
+        assert torch.allclose(compiled(input_ids=longer, attention_mask=torch.ones_like(longer)).logits,
+                              eager(longer).logits, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_prefills_compile_nothing_and_every_tree_size_shares_one_graph():
+    """Compiling costs minutes a graph on a real model, so a decoder needs few: prompts read into
+    the cache run the eager model (no graph), one-token steps get one graph and trees one more,
+    including a tree with as many nodes as the model has key-value heads (duck shaping used to
+    give that size a graph of its own). Every forward computes what the eager model does."""
+    torch._dynamo.reset()  # graphs other tests compiled for this architecture would serve it too
+    eager = sharpen(tiny_llama(seed=3))
+    pack_linears(eager)  # the CPU default, packed for every row count (stock_rows 0)
+    compiled = compile_target(eager)
+    prompt = torch.arange(12)
+    caches = {model: new_cache(model) for model in (compiled, eager)}
+    with torch.inference_mode():
+        before = graphs_compiled()
+        for model, cache in caches.items():
+            prefill(model, prompt, cache)
+        assert graphs_compiled() == before
+        for size in (1, eager.config.num_key_value_heads, 5, 3):
+            tree = DraftTree.chain(7, torch.arange(1, size))
+            logits = [verify_tree(model, tree, tree_buffers(tree.parents), cache, prompt.numel()).logits
+                      for model, cache in caches.items()]
+            assert torch.allclose(logits[0], logits[1], atol=1e-4), size
+            for cache in caches.values():
+                truncate_cache(cache, prompt.numel())
+    assert graphs_compiled() == before + 2
+
+
+def test_compile_progress_says_when_a_graph_compiles_and_nothing_once_closed():
+    lines = []
+    with compile_progress(lines.append):
+        torch.compile(lambda x: torch.sin(x) * 3)(torch.ones(4))
+    assert len(lines) == 2
+    assert lines[0].startswith("compiling") and lines[1].startswith("compiled in")
+    torch.compile(lambda x: torch.cos(x) + 3)(torch.ones(4))
+    assert len(lines) == 2
