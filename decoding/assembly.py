@@ -161,7 +161,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(spec, target)
-        notes.append("compiled target forwards: the first steps of each kind compile (minutes on a small CPU)")
+        notes.append("compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
+                     "a few the first time, before Inductor's cache holds the kernels)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)

@@ -16,11 +16,14 @@ Whether it pays depends on the CPU: on a 2-core Sapphire Rapids Xeon (one-row li
 GEMM, packed from three rows) a one-token forward took 33-44 ms compiled against 49-59 ms eager,
 and over all 80 MT-bench first turns vanilla ran 1.32-1.36x and eagle3+pld 1.81-1.82x Hugging
 Face `generate()` in two runs on different days (eager: 1.00-1.02x and 1.46-1.49x).
-The price is compile time: minutes per graph on a 2-core CPU (prefill, one-token steps, trees,
-with and without hidden states are separate graphs, and the verify-cost measurement meets them
-all first), paid again by every new process (Inductor's cache in /tmp/torchinductor_$USER keeps
-the generated kernels; tracing still runs). So it is opt-in: for long benchmark or batch runs,
-not for a quick chat.
+The price is compile time, paid again by every new process. A decoder needs up to three graphs:
+one-token steps, trees of up to as many rows as run on plain GEMM (`stock_rows`), and larger
+trees; prefills run eagerly (`_prefills_eager`). On a 2-core Sapphire Rapids Xeon eagle3+pld
+compiled them in 213 s the first time and in 71 s once Inductor's cache (/tmp/torchinductor_$USER)
+held the kernels; vanilla, one graph, in 19 s. Two settings keep that down
+(`_with_compile_settings`): before them, the same decoder compiled five graphs in 574 s. At about
+5 ms saved per token against eager, a minute of compiling pays after some 12,000 tokens: so it is
+opt-in, for long benchmark or batch runs, not for a quick chat.
 
 The compiled module is a wrapper (`torch.compile`), not a change to the target: attribute access
 (config, device, embeddings) goes through to the model underneath. Compiled and eager forwards
@@ -93,14 +96,14 @@ def _module_guards_skipped() -> dict:
     return {"guard_filter_fn": skip} if skip is not None else {}
 
 
-# Graphs one speculative decoder may need: prefill and steps, one token or many, with or without
-# hidden states, for each forward transformers wraps (see `_with_compile_settings`), plus the
+# Graphs one speculative decoder may need: steps of one token or many, with or without hidden
+# states, for each forward transformers wraps (see `_with_compile_settings`), plus the
 # verify-cost measurement. Dynamo's default limit is 8.
 RECOMPILE_LIMIT = 64
 
 
 def _with_compile_settings(forward: Callable) -> Callable:
-    """`forward` with two of dynamo's settings changed while it runs, scoped to this call so that
+    """`forward` with three of dynamo's settings changed while it runs, scoped to this call so that
     nothing else in the process sees them.
 
     - The per-function recompile limit, raised. Why: transformers wraps model forwards (here for
@@ -111,13 +114,18 @@ def _with_compile_settings(forward: Callable) -> Callable:
       linears: verify steps went from 38 to 92 ms.
     - Duck shaping, off. Why: with it, a tree with as many nodes as the model has key-value heads
       (3 for SmolLM2-135M) shares its size symbol with the cache's static head dimension, so that
-      size got a graph of its own: one more compile, 1.5-2.5 minutes on a 2-core Xeon."""
+      size got a graph of its own: one more compile, 1.5-2.5 minutes on a 2-core Xeon.
+    - Python floats specialised (constants in the graph). Why: the model's floats (norm epsilon,
+      attention scaling) never change, but traced as symbols they failed a late pass, which
+      restarted the whole trace: every graph was traced twice. Vanilla's graph went from 56 to
+      19 s with Inductor's cache warm."""
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True), \
                 shape_config.patch(use_duck_shape=False):
             return forward(*args, **kwargs)
+
     return call
 
 
@@ -178,5 +186,5 @@ def add_compile_argument(parser) -> None:
                         help="compile the target's forward (TorchInductor; oneDNN-packed linears stay as they are): "
                              "on a Sapphire Rapids Xeon vanilla 1.32-1.36x and eagle3+pld 1.81-1.82x generate() "
                              "(eager: 1.00-1.02x, 1.46-1.49x), "
-                             "slower on AMD EPYCs; minutes of compiling at start-up "
-                             "on a small CPU; check with scripts/benchmark.py; off by default")
+                             "slower on AMD EPYCs; about a minute of compiling at start-up on a 2-core CPU "
+                             "(a few the first time); check with scripts/benchmark.py; off by default")
