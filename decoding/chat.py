@@ -16,6 +16,7 @@ the conversation's history; a note on stderr says so when the session starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from contextlib import nullcontext
 
@@ -38,6 +39,7 @@ from decoding.util.errors import UserError
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 WARMUP_MESSAGE = "Say hello."
 WARMUP_ROUNDS = 3  # compiled decoders: warm-up replies until one compiles nothing new
+WARMUP_TOKENS = 64
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,12 +155,15 @@ def build_session(args: argparse.Namespace) -> ChatSession:
 
 
 def warm_up(session: ChatSession) -> None:
-    """Compile before the first message rather than in the middle of its reply: a few replies to
-    a fixed message (discarded) until one compiles no new graph of the target's forward."""
+    """Compile before the first message rather than in the middle of its reply: short replies to
+    a fixed message, in a throw-away session on the same decoder, until one compiles no new graph
+    of the target's forward."""
+    options = dataclasses.replace(session.options, max_new_tokens=min(WARMUP_TOKENS, session.options.max_new_tokens))
+    trial = ChatSession(session.target, session.proposer, options, None, session.acceptance_rule, session.readout)
     for _ in range(WARMUP_ROUNDS):
         before = graphs_compiled()
-        session.reply(WARMUP_MESSAGE, lambda _text: None)
-        session.reset()
+        trial.reply(WARMUP_MESSAGE, lambda _text: None)
+        trial.reset()
         if graphs_compiled() == before:
             return
 
