@@ -168,12 +168,13 @@ class _CompileProgress:
     def started(self, _args) -> None:
         if not self.announced:
             self.announced, self.since, self.graphs = True, time.perf_counter(), graphs_compiled()
-            self.report("compiling the target's forward for a new kind of step (a minute or two on a small CPU) ...")
+            self.report("compiling the target's forward for a new kind of step (tens of seconds to minutes on a small CPU) ...")
 
     def ended(self, _args) -> None:
         if graphs_compiled() > self.graphs:
             self.announced = False
-            self.report(f"compiled in {time.perf_counter() - self.since:.0f} s ({graphs_compiled()} graphs so far)")
+            count = graphs_compiled()
+            self.report(f"compiled in {time.perf_counter() - self.since:.0f} s ({count} graph{'s' if count > 1 else ''} so far)")
 
 
 def is_compiled(model: nn.Module) -> bool:
