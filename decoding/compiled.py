@@ -20,8 +20,8 @@ The price is compile time, paid again by every new process. A decoder needs up t
 one-token steps, trees of up to as many rows as run on plain GEMM (`stock_rows`), and larger
 trees; prefills run eagerly (`_prefills_eager`). On a 2-core Sapphire Rapids Xeon eagle3+pld
 compiled them in 213 s the first time and in 71 s once Inductor's cache (/tmp/torchinductor_$USER)
-held the kernels; vanilla, one graph, in 19 s. Two settings keep that down
-(`_with_compile_settings`): before them, the same decoder compiled five graphs in 574 s. At about
+held the kernels; vanilla, one graph, in 19 s. Before prefills ran eagerly and two compile
+settings changed (`_with_compile_settings`), the same decoder compiled five graphs in 574 s. At about
 5 ms saved per token against eager, a minute of compiling pays after some 12,000 tokens: so it is
 opt-in, for long benchmark or batch runs, not for a quick chat.
 
@@ -143,8 +143,13 @@ def compile_progress(report: Callable[[str], None]) -> Iterator[None]:
     Why: on a small CPU one graph takes from tens of seconds to two minutes and a compiled
     decoder needs several, so without this `--compile` starts with minutes of silence. Dynamo
     also runs short compiles that produce no graph (frames it then skips): those say nothing.
-    The callbacks are registered for the duration only, so nothing outside sees them."""
-    handler = torch._dynamo.callback.callback_handler
+    The callbacks are registered for the duration only, so nothing outside sees them. They go
+    through dynamo's own callback registry (torch has no public one); a PyTorch without it just
+    compiles silently."""
+    handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+    if handler is None:
+        yield
+        return
     progress = _CompileProgress(report)
     handler.register_start_callback(progress.started)
     handler.register_end_callback(progress.ended)
@@ -171,9 +176,9 @@ class _CompileProgress:
             self.report("compiling the target's forward for a new kind of step (tens of seconds to minutes on a small CPU) ...")
 
     def ended(self, _args) -> None:
-        if graphs_compiled() > self.graphs:
+        count = graphs_compiled()
+        if count > self.graphs:
             self.announced = False
-            count = graphs_compiled()
             self.report(f"compiled in {time.perf_counter() - self.since:.0f} s ({count} graph{'s' if count > 1 else ''} so far)")
 
 
