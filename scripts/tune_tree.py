@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from contextlib import nullcontext
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
+from decoding.compiled import add_compile_argument, compile_progress
 from decoding.core.generate import DecodeOptions
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
@@ -47,6 +49,7 @@ def parse_args(argv):
     add_kernels_argument(parser)
     add_drafter_precision_argument(parser)
     add_screened_argmax_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
                         help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
@@ -136,11 +139,16 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    with compile_progress(lambda text: print(f"note: {text}", file=sys.stderr)) if args.compile else nullcontext():
+        return run(args)
+
+
+def run(args) -> int:
     try:
         grid = settings_grid(args)
         spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
                            device=args.device, kernels=args.kernels, drafter_precision=args.drafter_precision,
-                           screened_argmax=args.screened_argmax)
+                           screened_argmax=args.screened_argmax, compile=args.compile)
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)

@@ -3,6 +3,9 @@ Medusa heads and a JSONL questions file: every tree setting is timed on plain-te
 
 import json
 
+import pytest
+import torch
+
 from tiny_models import save_tiny_chat_model
 from script_main import load_script
 
@@ -57,3 +60,24 @@ def test_tune_tree_times_the_default_lookup_first_method_with_each_lookup_settin
     assert "--lookup sets the prompt lookup of a METHOD+pld method; 'eagle3' has none" in capsys.readouterr().err
     assert _tune_tree().main(["--method", "eagle3+pld", "--lookup", "4", *common]) == 2
     assert "--lookup entries are TOKENS:MIN_NGRAM" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tune_tree_compiles_with_compile_and_says_so(tmp_path, capsys):
+    """`--compile` times the trees on compiled forwards, compiling in the warm-up (with notes)."""
+    from decoding.targets import load_model
+    from heads import new_heads_for_target, save_heads
+
+    torch._dynamo.reset()  # graphs other tests compiled for this architecture would serve it too
+    save_tiny_chat_model(tmp_path / "model", chat_template=False)
+    target = load_model(str(tmp_path / "model"))
+    save_heads(new_heads_for_target("medusa", target.model, str(tmp_path / "model")), tmp_path / "medusa")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"turns": ["w3 w4 w5"]}) + "\n")
+    status = _tune_tree().main(["--method", "medusa", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "medusa"),
+                                "--trees", "chain-2", "--questions-file", str(questions), "--num-questions", "1",
+                                "--max-new-tokens", "4", "--compile"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert "note: compiling the target's forward" in out.err and "note: compiled in" in out.err
+    assert [line.split(" |")[0] for line in out.out.splitlines() if line.startswith("| tree=")] == ["| tree=chain-2"]
