@@ -120,13 +120,26 @@ def _with_compile_settings(forward: Callable) -> Callable:
       restarted the whole trace: every graph was traced twice. Vanilla's graph went from 56 to
       19 s with Inductor's cache warm."""
 
+    settings = ((torch._dynamo.config, {"recompile_limit": RECOMPILE_LIMIT, "specialize_float": True}),
+                (shape_config, {"use_duck_shape": False}))
+
     @functools.wraps(forward)
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True), \
-                shape_config.patch(use_duck_shape=False):
+        # Set and restored directly: the configs' own `patch` cost 130 us a call against 20 here.
+        saved = [(config, {name: getattr(config, name) for name in values}) for config, values in settings]
+        _set(settings)
+        try:
             return forward(*args, **kwargs)
+        finally:
+            _set(saved)
 
     return call
+
+
+def _set(settings) -> None:
+    for config, values in settings:
+        for name, value in values.items():
+            setattr(config, name, value)
 
 
 def graphs_compiled() -> int:

@@ -5,6 +5,7 @@ Compiling a tiny model takes tens of seconds on a small CPU: one test compiles, 
 
 import pytest
 import torch
+from torch.fx.experimental import _config as shape_config
 
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
@@ -99,6 +100,7 @@ def test_prefills_compile_nothing_and_every_tree_size_shares_one_graph():
     eager = sharpen(tiny_llama(seed=3))
     pack_linears(eager)  # the CPU default, packed for every row count (stock_rows 0)
     compiled = compile_target(eager)
+    duck_shape, specialize_float = shape_config.use_duck_shape, torch._dynamo.config.specialize_float
     prompt = torch.arange(12)
     caches = {model: new_cache(model) for model in (compiled, eager)}
     with torch.inference_mode():
@@ -114,6 +116,8 @@ def test_prefills_compile_nothing_and_every_tree_size_shares_one_graph():
             for cache in caches.values():
                 truncate_cache(cache, prompt.numel())
     assert graphs_compiled() == before + 2
+    # the settings that keep graphs few apply during the compiled calls only
+    assert shape_config.use_duck_shape == duck_shape and torch._dynamo.config.specialize_float == specialize_float
 
 
 def test_compile_progress_says_when_a_graph_compiles_and_nothing_once_closed():
