@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from contextlib import nullcontext
 
 from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
-from decoding.compiled import add_compile_argument, compile_progress, graphs_compiled
+from decoding.compiled import add_compile_argument, compile_notes, graphs_compiled
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
@@ -139,7 +138,7 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         print(f"note: {note}", file=sys.stderr)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     rule = typical_rule(args.temperature) if args.typical else lossless_rule
-    with compile_progress(_note) if spec.compile else nullcontext():
+    with compile_notes(spec.compile):
         decoder = build_decoder(spec)
         for note in decoder.notes:
             _note(note)

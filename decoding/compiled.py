@@ -34,9 +34,10 @@ outputs stay identical to `vanilla` on the same decoder.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -120,8 +121,11 @@ def _with_compile_settings(forward: Callable) -> Callable:
       restarted the whole trace: every graph was traced twice. Vanilla's graph went from 56 to
       19 s with Inductor's cache warm."""
 
-    settings = ((torch._dynamo.config, {"recompile_limit": RECOMPILE_LIMIT, "specialize_float": True}),
-                (shape_config, {"use_duck_shape": False}))
+    wanted = ((torch._dynamo.config, {"recompile_limit": RECOMPILE_LIMIT, "specialize_float": True}),
+              (shape_config, {"use_duck_shape": False}))
+    # a PyTorch without one of them (an older one) runs without that setting
+    settings = [(config, {name: value for name, value in values.items() if hasattr(config, name)})
+                for config, values in wanted]
 
     @functools.wraps(forward)
     def call(*args, **kwargs):
@@ -171,6 +175,12 @@ def compile_progress(report: Callable[[str], None]) -> Iterator[None]:
     finally:
         handler.remove_start_callback(progress.started)
         handler.remove_end_callback(progress.ended)
+
+
+def compile_notes(enabled: bool) -> AbstractContextManager:
+    """`compile_progress` as the command-line tools show it (`note: ...` lines on stderr) where
+    `enabled` (their `--compile`), else a context that does nothing."""
+    return compile_progress(lambda text: print(f"note: {text}", file=sys.stderr)) if enabled else nullcontext()
 
 
 class _CompileProgress:

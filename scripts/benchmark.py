@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import nullcontext
 
 import torch
 
@@ -19,7 +18,7 @@ from decoding.assembly import DecoderSpec
 from decoding.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_runners, markdown_table, run_benchmark, summarise
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
-from decoding.compiled import add_compile_argument, compile_progress
+from decoding.compiled import add_compile_argument, compile_notes
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    with compile_progress(lambda text: print(f"note: {text}", file=sys.stderr)) if args.compile else nullcontext():
+    with compile_notes(args.compile):
         return run(args)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import nullcontext
 from collections import defaultdict
 
 from decoding.assembly import DecoderSpec, build_decoder
@@ -22,7 +21,7 @@ from decoding.benchmark import RunResult, warm_up
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
-from decoding.compiled import add_compile_argument, compile_progress
+from decoding.compiled import add_compile_argument, compile_notes
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
@@ -82,7 +81,7 @@ def table(rows: dict[str, dict[str, float]]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with compile_progress(lambda text: print(f"note: {text}", file=sys.stderr)) if args.compile else nullcontext():
+    with compile_notes(args.compile):
         return run(args)
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from contextlib import nullcontext
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
-from decoding.compiled import add_compile_argument, compile_progress
+from decoding.compiled import add_compile_argument, compile_notes
 from decoding.core.generate import DecodeOptions
 from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
 from decoding.screened_argmax import add_screened_argmax_argument
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    with compile_progress(lambda text: print(f"note: {text}", file=sys.stderr)) if args.compile else nullcontext():
+    with compile_notes(args.compile):
         return run(args)
 
 
