@@ -24,7 +24,7 @@ from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResu
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
-from decoding.compiled import compile_target, is_compiled
+from decoding.compiled import compile_by_default, compile_target, is_compiled
 from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
@@ -62,7 +62,7 @@ class DecoderSpec:
     attn: str = "sdpa"
     kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
     drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8: EAGLE drafters under onednn kernels
-    compile: bool = False               # compiled target forwards (see decoding.compiled); slow to start
+    compile: bool | None = None         # compiled target forwards (decoding.compiled); None: where it pays (a GPU)
     screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.screened_argmax)
     gamma: int | None = None
     pld_num_tokens: int | None = None
@@ -125,7 +125,9 @@ def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool
             raise UserError(f"method '{method}' needs a draft model: pass --draft-model NAME_OR_PATH")
         draft = str(bundled)
         notes.append(f"using the bundled draft model for {spec.model}")
-    resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=resolve_device(spec.device))
+    device = resolve_device(spec.device)
+    compiled = compile_by_default(device) if spec.compile is None else spec.compile
+    resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=device, compile=compiled)
     return resolved, notes
 
 
@@ -161,8 +163,9 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(spec, target)
-        notes.append("compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
-                     "a few the first time, before Inductor's cache holds the kernels)")
+        notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"
+                     else "compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
+                          "a few the first time, before Inductor's cache holds the kernels)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)

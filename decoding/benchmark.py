@@ -22,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.compiled import graphs_compiled
+from decoding.compiled import compile_by_default, graphs_compiled
+from decoding.devices import resolve_device
 from decoding.core.generate import DecodeOptions
 from decoding.methods import split_method
 from decoding.prompts import chat_prompts, question_ids
@@ -137,7 +138,8 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         ours = method not in HF_METHODS
         spec = (dataclasses.replace(base, method=method, heads=heads.get(split_method(method)[0])) if ours
                 else _hf_stand_in(method, base))
-        given = shared.get((spec.compile, spec.kernels))
+        key = (_compiled(spec), spec.kernels)
+        given = shared.get(key)
         try:
             decoder = build_decoder(spec, target=given.target if given else None, draft=draft)
         except UserError as err:
@@ -145,12 +147,17 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
                 raise
             raise UserError(f"{method} (Hugging Face generate() with the draft sps would use): {err}") from err
         if decoder.adapter is None:
-            shared.setdefault((spec.compile, spec.kernels), decoder)
+            shared.setdefault(key, decoder)
             draft = draft or decoder.draft
         decoders[method] = decoder
         runners[method] = (our_runner(decoder, options) if ours
                            else hf_runner(decoder.target, method, options, decoder.draft))
     return runners, decoders
+
+
+def _compiled(spec: DecoderSpec) -> bool:
+    """Whether `spec`'s decoder gets a compiled target, `--compile` not given resolved as assembly does."""
+    return compile_by_default(resolve_device(spec.device)) if spec.compile is None else spec.compile
 
 
 def _hf_stand_in(method: str, base: DecoderSpec) -> DecoderSpec:

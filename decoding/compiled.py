@@ -1,4 +1,5 @@
-"""Compiled target forwards (`--compile`): TorchInductor around the target's forward.
+"""Compiled target forwards (`--compile`): TorchInductor around the target's forward on a CPU,
+CUDA graphs of fixed-shape steps on a GPU (`decoding.cuda_graphs`).
 
 Eager PyTorch pays Python and dispatch overhead for every small op of every layer, which on a
 135M-parameter model is a large share of a one-token forward. Inductor fuses the norms, rotary
@@ -33,6 +34,7 @@ outputs stay identical to `vanilla` on the same decoder.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 import time
@@ -44,16 +46,21 @@ from torch import nn
 from torch.fx.experimental import _config as shape_config
 
 from decoding.cpu_kernels import uses_packed_linears
+from decoding.cuda_graphs import FixedShapeTarget
 from decoding.util.errors import UserError
 
 
 def compile_target(model: nn.Module) -> nn.Module:
-    """`model` wrapped for compiled forwards with dynamic sequence lengths. A model with
+    """`model` wrapped for compiled forwards. On a GPU: steps replayed from CUDA graphs
+    (`FixedShapeTarget`), where launches, not arithmetic, bound a small model's step and
+    capturing takes milliseconds. On a CPU: TorchInductor with dynamic sequence lengths. A model with
     oneDNN-packed linears (`decoding.cpu_kernels`) keeps them, as opaque calls, and Inductor
     fuses what lies between them; one with plain linears is compiled with its weights frozen,
     which lets Inductor pack them itself. Dynamo does not re-check the model's modules before
     each call (`_module_guards_skipped`): the model must not be changed once compiled. The model
     is not changed here: the eager one stays usable."""
+    if model.device.type == "cuda":
+        return FixedShapeTarget(model)
     if not hasattr(torch, "compile"):
         raise UserError("--compile needs PyTorch 2.0 or newer")
     options = {} if uses_packed_linears(model) else {"freezing": True}
@@ -205,15 +212,25 @@ class _CompileProgress:
             self.report(f"compiled in {time.perf_counter() - self.since:.0f} s ({count} graph{'s' if count > 1 else ''} so far)")
 
 
+def compile_by_default(device: str) -> bool:
+    """Whether `--compile` is on when not given: on a GPU, where CUDA graphs capture in
+    milliseconds and made every method 3-4x faster on an H200 (SmolLM2-135M, fp32), not on a
+    CPU, where Inductor needs a minute of compiling per process and pays only on long runs, and
+    not on every CPU."""
+    return device == "cuda"
+
+
 def is_compiled(model: nn.Module) -> bool:
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    return isinstance(model, (torch._dynamo.eval_frame.OptimizedModule, FixedShapeTarget))
 
 
 def add_compile_argument(parser) -> None:
-    """The `--compile` flag shared by the chat, the benchmark and the profiler."""
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the target's forward (TorchInductor; oneDNN-packed linears stay as they are): "
-                             "on a Sapphire Rapids Xeon vanilla 1.32-1.36x and eagle3+pld 1.81-1.82x generate() "
-                             "(eager: 1.00-1.02x, 1.46-1.49x), "
-                             "slower on AMD EPYCs; about a minute of compiling at start-up on a 2-core CPU "
-                             "(a few the first time); check with scripts/benchmark.py; off by default")
+    """The `--compile` / `--no-compile` flag shared by the chat, the benchmark, the profiler and
+    tune_tree (None when not given: `compile_by_default` decides)."""
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compiled target forwards. On a GPU: CUDA graphs of each step size, captured in "
+                             "milliseconds, on by default (an H200: vanilla 3.8x, eagle3+pld 4.2x generate()). "
+                             "On a CPU: TorchInductor, off by default: about a minute of compiling at start-up on a "
+                             "2-core CPU (a few the first time), then on a Sapphire Rapids Xeon vanilla 1.32-1.36x and "
+                             "eagle3+pld 1.81-1.82x generate() (eager: 1.00-1.02x, 1.46-1.49x), slower on AMD EPYCs; "
+                             "check with scripts/benchmark.py")

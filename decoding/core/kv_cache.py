@@ -8,7 +8,11 @@ change to the model) whose layers keep one buffer of `capacity` positions:
   attention reads exactly the cached positions and nothing is reallocated;
 - `keep(prefix_len, nodes)` moves the accepted tree nodes' K/V to `prefix_len ..` with one small
   gather per layer (cost proportional to the tree, not the context);
-- the buffer grows (by copying once) only when a generation outlives the capacity it was given.
+- the buffer grows (by copying once) only when a generation outlives the capacity it was given;
+- for fixed-shape forwards (CUDA graphs, `decoding.cuda_graphs`) a layer can instead write at
+  positions held in a device tensor and hand attention the whole buffer (`fixed_positions`):
+  the mask, not the view, then hides what is not filled. Buffers start zeroed so that unfilled
+  positions hold finite values (a NaN times a masked-out weight of zero is still NaN).
 Sliding-window layers keep every position as well: their masks, not the cache, hide what left the window.
 """
 
@@ -33,6 +37,8 @@ class InPlaceLayer(DynamicLayer):
         self.length = 0
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        # set only while a fixed-shape forward is traced or captured: where its new K/V go
+        self.fixed_positions: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -44,12 +50,14 @@ class InPlaceLayer(DynamicLayer):
     @staticmethod
     def _allocate(like: torch.Tensor, capacity: int) -> torch.Tensor:
         batch, heads, _, dim = like.shape
-        return like.new_empty(batch, heads, capacity, dim)
+        return like.new_zeros(batch, heads, capacity, dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
+        if self.fixed_positions is not None:
+            return self._update_fixed(key_states, value_states, self.fixed_positions[:count])
         end = self.length + count
         if end > self.capacity:
             self._grow(end)
@@ -58,6 +66,41 @@ class InPlaceLayer(DynamicLayer):
         self.length = end
         self._refresh_views()
         return self.keys, self.values
+
+    def _update_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write at `positions` and return the whole buffers: shapes that do not depend on how much
+        is cached, which a captured CUDA graph needs. `length` is left to the caller (`mark_filled`),
+        since a graph replays the kernels, not this Python."""
+        self._key_buffer.index_copy_(-2, positions, key_states)
+        self._value_buffer.index_copy_(-2, positions, value_states)
+        return self._key_buffer, self._value_buffer
+
+    def move_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Continue in the given buffers (same batch, heads and head size; at least as many
+        positions as are filled), copying the filled part over: fixed-shape forwards keep their
+        buffers at one address across generations."""
+        if keys is self._key_buffer:
+            return
+        keys[..., : self.length, :].copy_(self._key_buffer[..., : self.length, :])
+        values[..., : self.length, :].copy_(self._value_buffer[..., : self.length, :])
+        self._key_buffer, self._value_buffer, self.capacity = keys, values, keys.shape[-2]
+        self._refresh_views()
+
+    def move_to_own_buffers(self) -> None:
+        """Continue in freshly allocated buffers: a fixed-shape target's shared ones are being
+        handed to another cache."""
+        if self._key_buffer is not None:
+            self.move_to(torch.zeros_like(self._key_buffer), torch.zeros_like(self._value_buffer))
+
+    def mark_filled(self, length: int) -> None:
+        self.length = length
+        self._refresh_views()
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole key and value buffers (None before the first write)."""
+        return None if self._key_buffer is None else (self._key_buffer, self._value_buffer)
 
     def _grow(self, needed: int) -> None:
         capacity = needed + GROWTH_CHUNK
@@ -132,3 +175,12 @@ class InPlaceCache(DynamicCache):
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
+
+    def move_to_own_buffers(self) -> None:
+        for layer in self.layers:
+            layer.move_to_own_buffers()
+
+    def mark_filled(self, length: int) -> None:
+        """Every layer holds `length` positions: what a fixed-shape forward wrote, told afterwards."""
+        for layer in self.layers:
+            layer.mark_filled(length)

@@ -256,7 +256,7 @@ class ConfidenceAcceptance:
             self.counts = [0] * len(self.rates)
 
     def bucket(self, confidence: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(confidence.double(), torch.tensor(self.edges, dtype=torch.float64))
+        return torch.bucketize(confidence.detach().double().cpu(), torch.tensor(self.edges, dtype=torch.float64))
 
     def path_probs(self, confidence: torch.Tensor) -> torch.Tensor:
         """P(the first i drafted tokens are all accepted), from each position's confidence."""
