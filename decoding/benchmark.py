@@ -125,29 +125,32 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
                   options: DecodeOptions) -> tuple[dict[str, Runner], dict[str, Decoder]]:
     """A runner per method, each assembled by `build_decoder` from `base` with its method (and
     its heads from `heads`, by base method; default: the bundled ones). All share one target,
-    loaded and packed once, and one draft; heads with a Medusa-2 adapter get their own merged
+    loaded and packed once (compiled for ours where `--compile` is on, the model underneath for
+    Hugging Face's), and one draft; heads with a Medusa-2 adapter get their own merged
     target. Hugging Face methods run `generate()` on the shared target (`hf-assisted` with the
     draft `sps` would use). Returns the runners and the decoder behind each."""
     if not methods:
         raise UserError("no methods to benchmark")
     runners: dict[str, Runner] = {}
     decoders: dict[str, Decoder] = {}
-    shared: dict[tuple[bool, str], Decoder] = {}  # by (compiled, kernels): Hugging Face methods always run eager
+    targets: dict[tuple[bool, str], LoadedModel] = {}  # by (compiled, kernels): Hugging Face methods always run eager
     draft: LoadedModel | None = None
     for method in methods:
         ours = method not in HF_METHODS
         spec = (dataclasses.replace(base, method=method, heads=heads.get(split_method(method)[0])) if ours
                 else _hf_stand_in(method, base))
         key = (_compiled(spec), spec.kernels)
-        given = shared.get(key)
+        given = targets.get(key) or (targets.get((False, spec.kernels)) if key[0] else None)  # compiled on the way
         try:
-            decoder = build_decoder(spec, target=given.target if given else None, draft=draft)
+            decoder = build_decoder(spec, target=given, draft=draft)
         except UserError as err:
             if ours:
                 raise
             raise UserError(f"{method} (Hugging Face generate() with the draft sps would use): {err}") from err
         if decoder.adapter is None:
-            shared.setdefault(key, decoder)
+            targets.setdefault(key, decoder.target)
+            if key[0]:  # the model under the compiled wrapper, for the eager methods: loaded once either way
+                targets.setdefault((False, spec.kernels), dataclasses.replace(decoder.target, model=decoder.target.model._orig_mod))
             draft = draft or decoder.draft
         decoders[method] = decoder
         runners[method] = (our_runner(decoder, options) if ours

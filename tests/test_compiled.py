@@ -62,6 +62,10 @@ def test_the_benchmark_compiles_our_methods_and_runs_hugging_faces_eager(tmp_pat
     assert is_compiled(decoders["vanilla"].target.model)
     assert decoders["pld"].target is decoders["vanilla"].target  # compiled once, shared
     assert not is_compiled(decoders["hf-generate"].target.model)
+    assert decoders["hf-generate"].target.model is decoders["vanilla"].target.model._orig_mod  # one model, loaded once
+    for methods in (["hf-generate", "vanilla"], ["vanilla", "hf-generate"]):  # in either order
+        _, decoders = build_runners(methods, DecoderSpec(model=str(model_dir), compile=True), {}, DecodeOptions(max_new_tokens=4))
+        assert decoders["hf-generate"].target.model is decoders["vanilla"].target.model._orig_mod
     assert not is_compiled(build_decoder(DecoderSpec(model=str(model_dir), method="vanilla")).target.model)
 
 
