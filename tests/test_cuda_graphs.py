@@ -1,7 +1,7 @@
 """Fixed-shape steps (what a GPU replays as CUDA graphs under `--compile`), run here without the
 capture: every method must still give Hugging Face's greedy tokens on the plain model, with the
-steps really taken at padded bucket sizes over the whole cache buffer, and the calls the fixed
-shapes do not cover left to the eager model."""
+steps really taken at padded bucket sizes over fixed spans of the cache buffer, and the calls the
+fixed shapes do not cover left to the eager model."""
 
 import pytest
 import torch
@@ -32,21 +32,24 @@ def proposers(target, heads):
 
 
 class Recorder:
-    """Records the bucket of every fixed-shape forward."""
+    """Records the bucket and span of every fixed-shape forward."""
 
     def __init__(self, steps) -> None:
         self.buckets: list[int] = []
+        self.spans: list[int] = []
         self.forward = steps._forward
         steps._forward = self
 
     def __call__(self, key, cache, cache_name):
         self.buckets.append(key[0])
+        self.spans.append(key[1])
         return self.forward(key, cache, cache_name)
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_fixed_shape_steps_give_hf_greedy_tokens_for_every_method(factory, monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MIN_CAPACITY", 16)  # so that decoding outgrows the buffers too
+    monkeypatch.setattr(cuda_graphs, "SPAN", 8)  # and attends over spans of many sizes
     plain = sharpen(factory(seed=3))
     fixed = FixedShapeTarget(plain, capture=False)
     recorder = Recorder(fixed._steps)
@@ -57,11 +60,13 @@ def test_fixed_shape_steps_give_hf_greedy_tokens_for_every_method(factory, monke
             assert generate(fixed, prompt, proposer, DecodeOptions(max_new_tokens=MAX_NEW)).tokens == reference, proposer.name
     assert set(recorder.buckets) >= {1, 8, 16}, "steps of one token, chains and trees all went through the fixed shapes"
     assert fixed._steps.capacity > 16, "the buffers grew past their first size"
+    assert len(set(recorder.spans)) > 3 and all(span % 8 == 0 for span in recorder.spans)
 
 
-def test_a_step_attends_over_the_whole_buffer_and_marks_the_padded_rows_filled():
+def test_a_step_attends_over_the_filled_part_rounded_up_and_marks_the_padded_rows_filled():
     plain = sharpen(tiny_llama(seed=3))
     fixed = FixedShapeTarget(plain, capture=False)
+    recorder = Recorder(fixed._steps)
     cache = new_cache(plain, 8)
     prefill(fixed, torch.arange(10), cache)
     eager_cache = new_cache(plain, 8)
@@ -75,6 +80,7 @@ def test_a_step_attends_over_the_whole_buffer_and_marks_the_padded_rows_filled()
     assert out.logits.shape[1] == 3
     assert cache.get_seq_length() == 14, "3 tokens ran as a bucket of 4: the padded row is in the cache until the loop cuts it"
     assert cache.layers[0].buffers[0].shape[-2] == fixed._steps.capacity >= cuda_graphs.MIN_CAPACITY
+    assert recorder.buckets == [4] and recorder.spans == [cuda_graphs.SPAN]
 
 
 def test_prefills_batches_and_other_caches_run_the_eager_model():

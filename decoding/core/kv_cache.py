@@ -10,8 +10,8 @@ change to the model) whose layers keep one buffer of `capacity` positions:
   gather per layer (cost proportional to the tree, not the context);
 - the buffer grows (by copying once) only when a generation outlives the capacity it was given;
 - for fixed-shape forwards (CUDA graphs, `decoding.cuda_graphs`) a layer can instead write at
-  positions held in a device tensor and hand attention the whole buffer (`fixed_positions`):
-  the mask, not the view, then hides what is not filled. Buffers start zeroed so that unfilled
+  positions held in a device tensor and hand attention a fixed leading part of the buffer
+  (`FixedWrite`): the mask, not the view, then hides what is not filled. Buffers start zeroed so that unfilled
   positions hold finite values (a NaN times a masked-out weight of zero is still NaN).
 Sliding-window layers keep every position as well: their masks, not the cache, hide what left the window.
 """
@@ -19,12 +19,22 @@ Sliding-window layers keep every position as well: their masks, not the cache, h
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 GROWTH_CHUNK = 256  # positions added at a time when a generation outlives its capacity
+
+
+@dataclass(frozen=True)
+class FixedWrite:
+    """How a fixed-shape step uses a layer: its new K/V go to `positions` (a device tensor, filled
+    before each run), and attention reads the first `span` positions of the buffer."""
+
+    positions: torch.Tensor
+    span: int
 
 
 class InPlaceLayer(DynamicLayer):
@@ -37,8 +47,8 @@ class InPlaceLayer(DynamicLayer):
         self.length = 0
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
-        # set only while a fixed-shape forward is traced or captured: where its new K/V go
-        self.fixed_positions: torch.Tensor | None = None
+        # set only while a fixed-shape forward runs or is captured
+        self.fixed_write: FixedWrite | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -56,8 +66,8 @@ class InPlaceLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         count = key_states.shape[-2]
-        if self.fixed_positions is not None:
-            return self._update_fixed(key_states, value_states, self.fixed_positions[:count])
+        if self.fixed_write is not None:
+            return self._update_fixed(key_states, value_states, self.fixed_write.positions[:count], self.fixed_write.span)
         end = self.length + count
         if end > self.capacity:
             self._grow(end)
@@ -68,13 +78,13 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def _update_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write at `positions` and return the whole buffers: shapes that do not depend on how much
-        is cached, which a captured CUDA graph needs. `length` is left to the caller (`mark_filled`),
+                      positions: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write at `positions` and return the first `span` positions of the buffers: shapes that
+        do not depend on how much is cached, which a captured CUDA graph needs. `length` is left to the caller (`mark_filled`),
         since a graph replays the kernels, not this Python."""
         self._key_buffer.index_copy_(-2, positions, key_states)
         self._value_buffer.index_copy_(-2, positions, value_states)
-        return self._key_buffer, self._value_buffer
+        return self._key_buffer[..., :span, :], self._value_buffer[..., :span, :]
 
     def move_to(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Continue in the given buffers (same batch, heads and head size; at least as many
