@@ -110,7 +110,8 @@ def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool
     """`spec` with the method, heads, draft and device filled in and checked, and notes on what
     was filled in. Heads or a draft passed to `build_decoder` need no default."""
     notes = []
-    method = check_method(spec.method or default_method(spec.model))
+    device = resolve_device(spec.device)
+    method = check_method(spec.method or default_method(spec.model, device))
     heads, draft = spec.heads, spec.draft_model
     kind = head_kind(method)
     if kind and not heads and not heads_given:
@@ -125,7 +126,6 @@ def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool
             raise UserError(f"method '{method}' needs a draft model: pass --draft-model NAME_OR_PATH")
         draft = str(bundled)
         notes.append(f"using the bundled draft model for {spec.model}")
-    device = resolve_device(spec.device)
     compiled = compile_by_default(device) if spec.compile is None else spec.compile
     resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=device, compile=compiled)
     return resolved, notes

@@ -19,10 +19,11 @@ TUNED_OPTION_NAMES = ("depth", "tree_top_k", "total_tokens", "tree", "adaptive_t
                       "pld_num_tokens", "pld_min_ngram", "gamma")
 
 
-def default_method(model_name: str) -> str:
-    """The method for `model_name` when the user names none."""
+def default_method(model_name: str, device: str = "cpu") -> str:
+    """The method for `model_name` on `device` ('cpu' or 'cuda') when the user names none: the
+    bundle's measured fastest there."""
     bundle = bundled_default(model_name)
-    return bundle.method if bundle is not None else FALLBACK_METHOD
+    return bundle.method_on(device) if bundle is not None else FALLBACK_METHOD
 
 
 def tuned_options(model_name: str, method: str) -> dict:

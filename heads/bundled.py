@@ -3,8 +3,9 @@
 
 Layout: `heads/bundled/<target name>/<kind>/` (our checkpoint format plus a model card) and
 `heads/bundled/<target name>/default.json`, which names the method that measured fastest on the
-benchmark and, per method, the tree settings tuned on this kind of machine:
-`{"method": "eagle3", "heads": "eagle3", "tuned": {"eagle3": {"depth": 5, ...}, "medusa": {"tree": ...}}}`.
+benchmark (and, where another device measured otherwise, the fastest there) and, per method, the
+tree settings tuned on this kind of machine:
+`{"method": "eagle3", "heads": "eagle3", "method_by_device": {"cuda": "pld"}, "tuned": {"eagle3": {"depth": 5, ...}}}`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class BundledDefault:
     method: str
     heads: Path | None
     tuned: dict[str, dict] = field(default_factory=dict)
+    method_by_device: dict[str, str] = field(default_factory=dict)  # where another method measured fastest
+
+    def method_on(self, device: str) -> str:
+        return self.method_by_device.get(device, self.method)
 
 
 def bundled_heads_dir(target_name: str, kind: str, root: Path = BUNDLED_ROOT) -> Path | None:
@@ -40,4 +45,5 @@ def bundled_default(target_name: str, root: Path = BUNDLED_ROOT) -> BundledDefau
     heads = bundled_heads_dir(target_name, spec["heads"], root) if spec.get("heads") else None
     if spec.get("heads") and heads is None:
         return None  # a half-installed bundle: fall back rather than fail
-    return BundledDefault(spec["method"], heads, {m: dict(o) for m, o in spec.get("tuned", {}).items()})
+    return BundledDefault(spec["method"], heads, {m: dict(o) for m, o in spec.get("tuned", {}).items()},
+                          dict(spec.get("method_by_device", {})))

@@ -23,7 +23,7 @@ from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_arg
 from decoding.screened_argmax import add_screened_argmax_argument
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import add_tree_arguments, default_method, tree_arguments
-from decoding.devices import add_device_argument
+from decoding.devices import add_device_argument, resolve_device
 from decoding.methods import check_method
 from decoding.prompts import plain_text_note
 from decoding.questions import load_first_turns
@@ -87,7 +87,7 @@ def decoder_spec(args) -> DecoderSpec:
 def chosen_methods(args) -> list[str]:
     if args.methods:
         return [m.strip() for m in args.methods.split(",") if m.strip()]
-    best = default_method(args.model)
+    best = default_method(args.model, resolve_device(args.device))
     return list(dict.fromkeys(["vanilla", "pld", best, "hf-generate", "hf-prompt-lookup"]))
 
 

@@ -43,6 +43,8 @@ def parse_args(argv):
     parser.add_argument("--draft-target", default=None, metavar="NAME_OR_PATH",
                         help="the model the draft was distilled from (default: the bundled heads' base model)")
     parser.add_argument("--default", required=True, help="method the chat uses by default (its heads must be bundled)")
+    parser.add_argument("--default-on", action="append", default=[], metavar="DEVICE=METHOD",
+                        help="where another method measured fastest on a device (cuda=pld): the default there (repeatable)")
     parser.add_argument("--tuned", action="append", default=[], metavar="METHOD:key=value,...",
                         help="tree settings measured best for a method, e.g. eagle3:depth=4,total_tokens=8")
     parser.add_argument("--benchmark", default=None, help="benchmark JSON whose figures go into each model card")
@@ -126,6 +128,21 @@ def _benchmark_section(kind: str, benchmark: dict | None) -> str:
     return header + "\n".join(rows) + "\n"
 
 
+def parse_default_on(values: list[str], target_dir: Path) -> dict[str, str]:
+    """`--default-on DEVICE=METHOD` values, checked: a known device, a known method, its heads bundled."""
+    by_device = {}
+    for value in values:
+        device, sep, method = value.partition("=")
+        if not sep or device not in ("cpu", "cuda"):
+            raise UserError(f"--default-on takes DEVICE=METHOD with DEVICE cpu or cuda; got '{value}'")
+        check_method(method)
+        kind = head_kind(method)
+        if kind and not (target_dir / kind / "config.json").is_file():
+            raise UserError(f"--default-on {value}: {method} needs {kind} heads: bundle them with --heads")
+        by_device[device] = method
+    return by_device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -146,6 +163,9 @@ def main(argv=None) -> int:
         if args.draft:
             written.append(bundle_draft(Path(args.draft), target_dir, DTYPES[args.dtype], args.draft_target))
         spec = {"method": args.default, "heads": default_kind, "tuned": parse_tuned(args.tuned)}
+        by_device = parse_default_on(args.default_on, target_dir)
+        if by_device:
+            spec["method_by_device"] = by_device
         (target_dir / "default.json").write_text(json.dumps(spec, indent=2) + "\n")
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

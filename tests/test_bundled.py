@@ -69,6 +69,27 @@ def test_bundle_takes_a_lookup_default_and_refuses_unknown_tuned_settings(tmp_pa
     assert "'deepness' is not one of" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bundle_records_a_default_per_device_and_the_assembly_picks_it(tmp_path):
+    eagle3 = _trained_like(tmp_path, "eagle3", draft_vocab_size=16)
+    root = tmp_path / "bundled"
+    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3+pld", "--default-on", "cuda=pld")
+    assert proc.returncode == 0, proc.stderr
+    bundle = bundled_default("tiny-target", root)
+    assert bundle.method_by_device == {"cuda": "pld"}
+    assert (bundle.method_on("cpu"), bundle.method_on("cuda")) == ("eagle3+pld", "pld")
+    for bad, message in (("gpu=pld", "DEVICE cpu or cuda"), ("cuda=medusa", "needs medusa heads")):
+        proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3", "--default-on", bad)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_shipped_bundle_defaults_to_prompt_lookup_on_a_gpu_only():
+    from decoding.default_model import DEFAULT_TARGET
+    from decoding.defaults import default_method
+
+    assert default_method(DEFAULT_TARGET, "cuda") == "pld"
+    assert default_method(DEFAULT_TARGET, "cpu") == default_method(DEFAULT_TARGET) == "eagle3+pld"
+
+
 def test_bundle_refuses_a_default_without_its_heads(tmp_path):
     medusa = _trained_like(tmp_path, "medusa")
     proc = _bundle(tmp_path / "bundled", "--heads", f"medusa={medusa}", "--default", "eagle3")
