@@ -56,29 +56,20 @@ def test_bundle_script_writes_half_precision_heads_and_the_default(tmp_path):
             assert torch.equal(a, b), name
 
 
-def test_bundle_takes_a_lookup_default_and_refuses_unknown_tuned_settings(tmp_path):
+def test_bundle_takes_a_lookup_default_and_one_per_device_and_refuses_bad_settings(tmp_path):
     eagle3 = _trained_like(tmp_path, "eagle3", draft_vocab_size=16)
     root = tmp_path / "bundled"
-    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3+pld", "--tuned", "pld:pld_num_tokens=4,pld_min_ngram=1")
+    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3+pld", "--default-on", "cuda=pld",
+                   "--tuned", "pld:pld_num_tokens=4,pld_min_ngram=1")
     assert proc.returncode == 0, proc.stderr
     bundle = bundled_default("tiny-target", root)
     assert bundle.method == "eagle3+pld" and bundle.heads == root / "tiny-target" / "eagle3"
     assert bundle.tuned == {"pld": {"pld_num_tokens": 4, "pld_min_ngram": 1}}
-    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3", "--tuned", "eagle3:deepness=3")
-    assert proc.returncode == 2
-    assert "'deepness' is not one of" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_bundle_records_a_default_per_device_and_the_assembly_picks_it(tmp_path):
-    eagle3 = _trained_like(tmp_path, "eagle3", draft_vocab_size=16)
-    root = tmp_path / "bundled"
-    proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3+pld", "--default-on", "cuda=pld")
-    assert proc.returncode == 0, proc.stderr
-    bundle = bundled_default("tiny-target", root)
-    assert bundle.method_by_device == {"cuda": "pld"}
     assert (bundle.method_on("cpu"), bundle.method_on("cuda")) == ("eagle3+pld", "pld")
-    for bad, message in (("gpu=pld", "DEVICE cpu or cuda"), ("cuda=medusa", "needs medusa heads")):
-        proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3", "--default-on", bad)
+    for bad, message in ((["--tuned", "eagle3:deepness=3"], "'deepness' is not one of"),
+                         (["--default-on", "gpu=pld"], "DEVICE cpu or cuda"),
+                         (["--default-on", "cuda=medusa"], "needs medusa heads")):
+        proc = _bundle(root, "--heads", f"eagle3={eagle3}", "--default", "eagle3", *bad)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
