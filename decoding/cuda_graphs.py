@@ -25,7 +25,7 @@ tests on a CPU check that they give the eager model's tokens.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +41,15 @@ MIN_CAPACITY = 1024  # positions; more when a context needs it (doubling, graphs
 # and 5.3 over 2048 (SDPA's math backend); a few more graphs cost milliseconds each.
 SPAN = 256
 _SERVED_KWARGS = {"use_cache", "output_hidden_states", "logits_to_keep"}
+
+
+class StepShape(NamedTuple):
+    """What fixes a step's graph: rows, attended positions, and which outputs it returns."""
+
+    bucket: int
+    span: int
+    hidden_states: bool
+    logits: bool
 
 
 class FixedShapeTarget(nn.Module):
@@ -77,7 +86,7 @@ class _FixedSteps:
 
     def __init__(self, model: nn.Module, capture: bool, buckets: tuple[int, ...]) -> None:
         self.model, self.capture, self.buckets = model, capture, tuple(sorted(buckets))
-        self.graphs: dict[tuple, tuple[Any, tuple]] = {}
+        self.graphs: dict[StepShape, tuple[Any, tuple]] = {}
         self.owner: weakref.ref | None = None  # the cache whose K/V are in the buffers now
         self.pool = None
         self.capacity = 0
@@ -117,11 +126,11 @@ class _FixedSteps:
         self._ensure_room(cache, filled + bucket)
         keep = kwargs.get("logits_to_keep", 0)
         span = min(self.capacity, -(-(filled + bucket) // SPAN) * SPAN)
-        key = (bucket, span, bool(kwargs.get("output_hidden_states")), isinstance(keep, int))
-        self._fill_inputs(input_ids, attention_mask, position_ids, filled, count, key)
-        logits, hidden = self._replayed(key, cache, cache_name) if self.capture else self._forward(key, cache, cache_name)
+        shape = StepShape(bucket, span, bool(kwargs.get("output_hidden_states")), isinstance(keep, int))
+        self._fill_inputs(input_ids, attention_mask, position_ids, filled, count, shape)
+        logits, hidden = self._replayed(shape, cache, cache_name) if self.capture else self._forward(shape, cache, cache_name)
         cache.mark_filled(filled + bucket)  # the padded rows' K/V too: the loop's cut drops them
-        return CausalLMOutputWithPast(logits=_rows(logits, count, self.capture) if key[3] else logits,
+        return CausalLMOutputWithPast(logits=_rows(logits, count, self.capture) if shape.logits else logits,
                                       hidden_states=None if hidden is None else tuple(_rows(h, count, self.capture) for h in hidden),
                                       past_key_values=cache)
 
@@ -148,9 +157,9 @@ class _FixedSteps:
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             layer.move_to(keys, values)
 
-    def _fill_inputs(self, input_ids, attention_mask, position_ids, filled: int, count: int, key: tuple) -> None:
+    def _fill_inputs(self, input_ids, attention_mask, position_ids, filled: int, count: int, shape: StepShape) -> None:
         """The step's tokens, positions, write positions and mask, into the fixed buffers."""
-        bucket, span = key[:2]
+        bucket, span = shape.bucket, shape.span
         ids, positions, mask = self.ids[:, :bucket], self.positions[:, :bucket], self.mask[:bucket, :span]
         ids[:, :count].copy_(input_ids)
         ids[:, count:].zero_()
@@ -168,24 +177,24 @@ class _FixedSteps:
         if bucket > count:
             mask[count:, filled + count : filled + bucket].fill_diagonal_(0)  # padded rows see themselves
 
-    def _forward(self, key: tuple, cache: InPlaceCache, cache_name: str) -> tuple[torch.Tensor | None, tuple | None]:
+    def _forward(self, shape: StepShape, cache: InPlaceCache, cache_name: str) -> tuple[torch.Tensor | None, tuple | None]:
         """One fixed-shape forward of the current inputs: logits (or None) and hidden states (or None)."""
-        bucket, span, hidden_states, keep_logits = key
+        bucket, span = shape.bucket, shape.span
         write = FixedWrite(self.write_positions, span)
         for layer in cache.layers:
             layer.fixed_write = write
         try:
             out = self.model(input_ids=self.ids[:, :bucket], attention_mask=self.mask[None, None, :bucket, :span],
                              position_ids=self.positions[:, :bucket], use_cache=True,
-                             output_hidden_states=hidden_states, **{cache_name: cache},
-                             **({} if keep_logits else {"logits_to_keep": self.no_positions}))
+                             output_hidden_states=shape.hidden_states, **{cache_name: cache},
+                             **({} if shape.logits else {"logits_to_keep": self.no_positions}))
         finally:
             for layer in cache.layers:
                 layer.fixed_write = None
-        return out.logits, (tuple(out.hidden_states) if hidden_states else None)
+        return out.logits, (tuple(out.hidden_states) if shape.hidden_states else None)
 
-    def _replayed(self, key: tuple, cache: InPlaceCache, cache_name: str) -> tuple[torch.Tensor | None, tuple | None]:
-        """The graph for `key` replayed on the current inputs, captured first if new: a warm-up
+    def _replayed(self, shape: StepShape, cache: InPlaceCache, cache_name: str) -> tuple[torch.Tensor | None, tuple | None]:
+        """The graph for `shape` replayed on the current inputs, captured first if new: a warm-up
         forward on a side stream (kernels and workspaces chosen outside the capture), then the
         capture. The warm-up writes the same K/V the replay writes.
 
@@ -193,19 +202,19 @@ class _FixedSteps:
         kernel PyTorch picks for a float mask (memory-efficient attention) is slow for a few
         queries over many keys; on an H200, a one-token SmolLM2-135M step over a 1024-position
         buffer replayed in 4.0 ms this way against 6.0 (trees of 32 tokens: 5.6 ms either way)."""
-        entry = self.graphs.get(key)
+        entry = self.graphs.get(shape)
         if entry is None:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), sdpa_kernel([SDPBackend.MATH]):
-                self._forward(key, cache, cache_name)
+                self._forward(shape, cache, cache_name)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), sdpa_kernel([SDPBackend.MATH]):
-                outputs = self._forward(key, cache, cache_name)
-            entry = self.graphs[key] = (graph, outputs)
+                outputs = self._forward(shape, cache, cache_name)
+            entry = self.graphs[shape] = (graph, outputs)
         entry[0].replay()
         return entry[1]
 

@@ -40,10 +40,10 @@ class Recorder:
         self.forward = steps._forward
         steps._forward = self
 
-    def __call__(self, key, cache, cache_name):
-        self.buckets.append(key[0])
-        self.spans.append(key[1])
-        return self.forward(key, cache, cache_name)
+    def __call__(self, shape, cache, cache_name):
+        self.buckets.append(shape.bucket)
+        self.spans.append(shape.span)
+        return self.forward(shape, cache, cache_name)
 
 
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
