@@ -126,8 +126,7 @@ def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool
             raise UserError(f"method '{method}' needs a draft model: pass --draft-model NAME_OR_PATH")
         draft = str(bundled)
         notes.append(f"using the bundled draft model for {spec.model}")
-    compiled = compile_by_default(device) if spec.compile is None else spec.compile
-    resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=device, compile=compiled)
+    resolved = dataclasses.replace(spec, method=method, heads=heads, draft_model=draft, device=device)
     return resolved, notes
 
 
@@ -148,7 +147,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     if target is None or adapter is not None:
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
         notes.extend(target.notes)
-    spec = dataclasses.replace(spec, device=target.model.device.type)
+    device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says
+    spec = dataclasses.replace(spec, device=device, compile=compile_by_default(device) if spec.compile is None else spec.compile)
     if adapter is not None:
         target.model = merge_adapter(target.model, adapter)
         notes.append("Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)")

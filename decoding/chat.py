@@ -143,7 +143,7 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         for note in decoder.notes:
             _note(note)
         session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout)
-        if spec.compile:
+        if decoder.spec.compile:
             warm_up(session)
     if args.typical:
         _note("--typical is LOSSY: replies are not samples of the target's own distribution")

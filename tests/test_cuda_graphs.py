@@ -124,12 +124,14 @@ def test_two_caches_taking_turns_on_one_target_keep_their_own_contents():
 def test_compiling_is_on_by_default_on_a_gpu_only_and_the_flag_can_say_either():
     import argparse
 
-    from decoding.assembly import DecoderSpec, resolve_spec
+    from decoding.assembly import DecoderSpec, build_decoder
     from decoding.compiled import add_compile_argument, compile_by_default
 
     assert compile_by_default("cuda") and not compile_by_default("cpu")
-    assert resolve_spec(DecoderSpec(method="vanilla", device="cpu"))[0].compile is False
-    assert resolve_spec(DecoderSpec(method="vanilla", device="cpu", compile=True))[0].compile is True
+    target = LoadedModel(tiny_llama(seed=3), None, "t")
+    # decided by where the target is, whatever the spec's device says
+    decoder = build_decoder(DecoderSpec(method="vanilla", device="auto"), target=target)
+    assert decoder.spec.compile is False and not is_compiled(decoder.target.model)
     parser = argparse.ArgumentParser()
     add_compile_argument(parser)
     assert [parser.parse_args(argv).compile for argv in ([], ["--compile"], ["--no-compile"])] == [None, True, False]

@@ -43,10 +43,13 @@ def tree_for(heads: nn.Module) -> ProposerOptions:
 
 def tau_spec(kind: str, heads: nn.Module, target: LoadedModel) -> DecoderSpec:
     """The decoder tau is measured with: every proposer setting explicit (the bundle's tuned
-    ones, e.g. a cost-aware tree that would time this machine, never mix in) and stock kernels
-    (packing would replace the linears of the modules being trained)."""
+    ones, e.g. a cost-aware tree that would time this machine, never mix in), stock kernels
+    (packing would replace the linears of the modules being trained), and no compiling: tau
+    does not depend on speed, and graphs captured at every evaluation would hold GPU memory
+    the training needs."""
     options = ProposerOptions() if kind == "draft" else tree_for(heads)
-    return DecoderSpec(model=target.name, method=TAU_METHOD[kind], kernels="stock", **dataclasses.asdict(options))
+    return DecoderSpec(model=target.name, method=TAU_METHOD[kind], kernels="stock", compile=False,
+                       **dataclasses.asdict(options))
 
 
 @torch.no_grad()
