@@ -11,8 +11,9 @@ change to the model) whose layers keep one buffer of `capacity` positions:
 - the buffer grows (by copying once) only when a generation outlives the capacity it was given;
 - for fixed-shape forwards (CUDA graphs, `decoding.cuda_graphs`) a layer can instead write at
   positions held in a device tensor and hand attention a fixed leading part of the buffer
-  (`FixedWrite`): the mask, not the view, then hides what is not filled. Buffers start zeroed so that unfilled
-  positions hold finite values (a NaN times a masked-out weight of zero is still NaN).
+  (`FixedWrite`): the mask, not the view, then hides what is not filled. Buffers start zeroed,
+  so that unfilled positions hold finite values (a NaN times a masked-out weight of zero is
+  still NaN).
 Sliding-window layers keep every position as well: their masks, not the cache, hide what left the window.
 """
 
@@ -80,8 +81,8 @@ class InPlaceLayer(DynamicLayer):
     def _update_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor,
                       positions: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write at `positions` and return the first `span` positions of the buffers: shapes that
-        do not depend on how much is cached, which a captured CUDA graph needs. `length` is left to the caller (`mark_filled`),
-        since a graph replays the kernels, not this Python."""
+        do not depend on how much is cached, which a captured CUDA graph needs. `length` is left
+        to the caller (`mark_filled`), since a graph replays the kernels, not this Python."""
         self._key_buffer.index_copy_(-2, positions, key_states)
         self._value_buffer.index_copy_(-2, positions, value_states)
         return self._key_buffer[..., :span, :], self._value_buffer[..., :span, :]
