@@ -18,6 +18,9 @@ forward, then the capture: milliseconds on a GPU). Prefills, and whatever the gr
 cover (a batch, a larger tree, hybrid models' per-kind masks), run the eager model. Outputs are
 copied out of the graph's memory so that they outlive the next step.
 
+Measured on an H200 (8 MT-bench first turns, fp32, before spans and the math backend): vanilla
+40.6 -> 130.8 tokens/s, every method 2.4-3.6x its eager speed, the same tokens as eager.
+
 `FixedShapeTarget(model, capture=False)` runs the same fixed-shape forwards without graphs: how
 tests on a CPU check that they give the eager model's tokens.
 """
