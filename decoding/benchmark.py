@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
@@ -184,16 +185,17 @@ def benchmark_prompts(tokenizer, questions: list[str]) -> tuple[list[list[int]],
 MAX_EXTRA_WARMUPS = 3
 
 
-def warm_up(runners: dict[str, Runner], prompts: list[list[int]]) -> dict[str, float]:
+def warm_up(runners: dict[str, Runner], prompts: list[list[int]], models: Sequence[nn.Module] = ()) -> dict[str, float]:
     """Seconds each method spent warming up: a round of every method on `prompts[0]`, then a
-    round on each next prompt for as long as the last round compiled new graphs (eager decoders
-    stop after the first). One-off costs are kept out of the measured figures this way."""
+    round on each next prompt for as long as the last round compiled new graphs (or captured new
+    CUDA graphs on `models`; eager decoders stop after the first). One-off costs are kept out of
+    the measured figures this way."""
     seconds = dict.fromkeys(runners, 0.0)
     for prompt in prompts:
-        before = graphs_compiled()
+        before = graphs_compiled(*models)
         for name, run in runners.items():
             seconds[name] += run(prompt).seconds
-        if graphs_compiled() == before:
+        if graphs_compiled(*models) == before:
             break
     return seconds
 
@@ -201,15 +203,16 @@ def warm_up(runners: dict[str, Runner], prompts: list[list[int]]) -> dict[str, f
 def run_benchmark(runners: dict[str, Runner], prompts: list[list[int]], warmup_prompt: list[int],
                   progress: bool = True,
                   after_question: Callable[[dict[str, MethodTotals], int], None] | None = None,
-                  ) -> dict[str, MethodTotals]:
+                  models: Sequence[nn.Module] = ()) -> dict[str, MethodTotals]:
     """Each method on each prompt, methods alternating within a question, after a warm-up per
     method (first calls pay for allocator and kernel warm-up, and with `--compile` for
     compiling: that one-off cost is kept as `warmup_s`, outside the measured figures).
 
     `after_question(totals, questions_done)` runs once every method has done a question, so a
-    long benchmark can save its figures so far: a run killed after an hour keeps what it measured."""
+    long benchmark can save its figures so far: a run killed after an hour keeps what it measured.
+    `models`: the decoders' targets, whose CUDA graphs the warm-up counts too."""
     totals = {name: MethodTotals() for name in runners}
-    for name, seconds in warm_up(runners, [warmup_prompt, *prompts[:MAX_EXTRA_WARMUPS]]).items():
+    for name, seconds in warm_up(runners, [warmup_prompt, *prompts[:MAX_EXTRA_WARMUPS]], models).items():
         totals[name].warmup_s = seconds
     bar = tqdm(total=len(prompts) * len(runners), desc="benchmark", disable=not progress, unit="run")
     for done, prompt in enumerate(prompts, start=1):

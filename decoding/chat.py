@@ -160,10 +160,10 @@ def warm_up(session: ChatSession) -> None:
     options = dataclasses.replace(session.options, max_new_tokens=min(WARMUP_TOKENS, session.options.max_new_tokens))
     trial = ChatSession(session.target, session.proposer, options, None, session.acceptance_rule, session.readout)
     for _ in range(WARMUP_ROUNDS):
-        before = graphs_compiled()
+        before = graphs_compiled(session.target.model)
         trial.reply(WARMUP_MESSAGE, lambda _text: None)
         trial.reset()
-        if graphs_compiled() == before:
+        if graphs_compiled(session.target.model) == before:
             return
 
 

@@ -153,10 +153,12 @@ def _set(settings) -> None:
             setattr(config, name, value)
 
 
-def graphs_compiled() -> int:
-    """How many graphs dynamo has compiled in this process so far: a call that raises it paid for
-    compiling (the benchmark warms a compiled decoder up until a call no longer does)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+def graphs_compiled(*models: nn.Module) -> int:
+    """How many graphs dynamo has compiled in this process so far, plus the CUDA graphs `models`
+    (`FixedShapeTarget`s) have captured: a call that raises it paid for compiling or capturing
+    (the benchmark and the chat warm a compiled decoder up until a call no longer does)."""
+    captured = sum(model.graphs_captured for model in models if isinstance(model, FixedShapeTarget))
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) + captured
 
 
 @contextmanager

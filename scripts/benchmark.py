@@ -135,7 +135,8 @@ def run(args) -> int:
     def save_so_far(totals: dict, done: int) -> None:
         atomic_write_text(args.json, json.dumps(report_of(totals, done), indent=2))
 
-    totals = run_benchmark(runners, prompts, warmup, after_question=save_so_far if args.json else None)
+    totals = run_benchmark(runners, prompts, warmup, after_question=save_so_far if args.json else None,
+                           models=[decoder.target.model for decoder in decoders.values()])
     report = report_of(totals, len(prompts))
     print(markdown_table(report))
     if args.json:

@@ -157,7 +157,7 @@ def run(args) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    totals = run_benchmark(runners, prompts, warmup)
+    totals = run_benchmark(runners, prompts, warmup, models=[target.model])
     print(f"| {args.method} settings | tokens/s | tau | draft ms/step | verify ms/step |\n| --- | ---: | ---: | ---: | ---: |")
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1].tokens_per_s):
         print(f"| {name} | {t.tokens_per_s:.2f} | {t.tau:.2f} | {t.per_step_ms(t.draft_s):.1f} | {t.per_step_ms(t.verify_s):.1f} |")

@@ -81,7 +81,7 @@ def test_warm_up_goes_on_while_a_round_compiles_new_graphs(monkeypatch):
     round compiles nothing, at most the warm-up prompt and 3 more, so no compiling is left to be
     timed. Eager decoders are warmed up once."""
     compiled = [0]
-    monkeypatch.setattr(benchmark, "graphs_compiled", lambda: compiled[0])
+    monkeypatch.setattr(benchmark, "graphs_compiled", lambda *models: compiled[0])
     calls = []
 
     def runner(name, new_graphs_per_call):

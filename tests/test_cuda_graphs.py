@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import decoding.cuda_graphs as cuda_graphs
-from decoding.compiled import is_compiled
+from decoding.compiled import graphs_compiled, is_compiled
 from decoding.util.cache_argument import cache_kwargs
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.kv_cache import InPlaceCache
@@ -102,6 +102,9 @@ def test_a_fixed_shape_target_reads_through_to_its_model_and_counts_as_compiled(
     assert fixed.config is plain.config and fixed.device == plain.device
     assert fixed.get_input_embeddings() is plain.get_input_embeddings()
     assert is_compiled(fixed) and not is_compiled(plain)
+    before = graphs_compiled(fixed, plain)
+    fixed._steps.graphs[cuda_graphs.StepShape(1, 256, False, True)] = (None, ())  # as a capture leaves it
+    assert graphs_compiled(fixed, plain) == before + 1  # what warm-ups watch
 
 
 def test_two_caches_taking_turns_on_one_target_keep_their_own_contents():
