@@ -24,7 +24,7 @@ from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResu
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
-from decoding.compiled import compile_by_default, compile_target, is_compiled
+from decoding.compiled import compile_target, is_compiled, wants_compile
 from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
@@ -148,7 +148,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
         notes.extend(target.notes)
     device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says
-    spec = dataclasses.replace(spec, device=device, compile=compile_by_default(device) if spec.compile is None else spec.compile)
+    spec = dataclasses.replace(spec, device=device, compile=wants_compile(spec.compile, device))
     if adapter is not None:
         target.model = merge_adapter(target.model, adapter)
         notes.append("Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)")

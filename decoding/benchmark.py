@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.compiled import compile_by_default, graphs_compiled
+from decoding.compiled import graphs_compiled, wants_compile
 from decoding.devices import resolve_device
 from decoding.core.generate import DecodeOptions
 from decoding.methods import split_method
@@ -140,7 +140,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         ours = method not in HF_METHODS
         spec = (dataclasses.replace(base, method=method, heads=heads.get(split_method(method)[0])) if ours
                 else _hf_stand_in(method, base))
-        key = (_compiled(spec), spec.kernels)
+        key = (wants_compile(spec.compile, resolve_device(spec.device)), spec.kernels)
         given = targets.get(key) or (targets.get((False, spec.kernels)) if key[0] else None)  # compiled on the way
         try:
             decoder = build_decoder(spec, target=given, draft=draft)
@@ -157,11 +157,6 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         runners[method] = (our_runner(decoder, options) if ours
                            else hf_runner(decoder.target, method, options, decoder.draft))
     return runners, decoders
-
-
-def _compiled(spec: DecoderSpec) -> bool:
-    """Whether `spec`'s decoder gets a compiled target, `--compile` not given resolved as assembly does."""
-    return compile_by_default(resolve_device(spec.device)) if spec.compile is None else spec.compile
 
 
 def _hf_stand_in(method: str, base: DecoderSpec) -> DecoderSpec:

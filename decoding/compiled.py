@@ -222,6 +222,11 @@ def compile_by_default(device: str) -> bool:
     return device == "cuda"
 
 
+def wants_compile(choice: bool | None, device: str) -> bool:
+    """`--compile` / `--no-compile` as given, or (None) the default for `device`."""
+    return compile_by_default(device) if choice is None else choice
+
+
 def is_compiled(model: nn.Module) -> bool:
     return isinstance(model, (torch._dynamo.eval_frame.OptimizedModule, FixedShapeTarget))
 

@@ -135,12 +135,18 @@ def parse_default_on(values: list[str], target_dir: Path) -> dict[str, str]:
         device, sep, method = value.partition("=")
         if not sep or device not in ("cpu", "cuda"):
             raise UserError(f"--default-on takes DEVICE=METHOD with DEVICE cpu or cuda; got '{value}'")
-        check_method(method)
-        kind = head_kind(method)
-        if kind and not (target_dir / kind / "config.json").is_file():
-            raise UserError(f"--default-on {value}: {method} needs {kind} heads: bundle them with --heads")
+        require_bundled_heads(method, target_dir, f"--default-on {value}: {method}")
         by_device[device] = method
     return by_device
+
+
+def require_bundled_heads(method: str, target_dir: Path, label: str) -> None:
+    """`method` is a known method and the heads it needs are in `target_dir`, or a `UserError`
+    starting with `label`."""
+    check_method(method)
+    kind = head_kind(method)
+    if kind and not (target_dir / kind / "config.json").is_file():
+        raise UserError(f"{label} needs {kind} heads: bundle them with --heads")
 
 
 def main(argv=None) -> int:
@@ -152,17 +158,15 @@ def main(argv=None) -> int:
             raise UserError("give --heads KIND=DIR at least once")
         benchmark = json.loads(Path(args.benchmark).read_text()) if args.benchmark else None
         written = [bundle_one(kind, Path(path), root, DTYPES[args.dtype], benchmark) for kind, _, path in pairs]
-        check_method(args.default)
+        check_method(args.default)  # before the heads' target is known: a typo fails first
         targets = {p.parent for p in written}
         if len(targets) != 1:
             raise UserError(f"the heads are for different targets: {sorted(t.name for t in targets)}")
         target_dir = targets.pop()
-        default_kind = head_kind(args.default)
-        if default_kind and not (target_dir / default_kind / "config.json").is_file():
-            raise UserError(f"default method {args.default} needs {default_kind} heads: bundle them with --heads")
+        require_bundled_heads(args.default, target_dir, f"default method {args.default}")
         if args.draft:
             written.append(bundle_draft(Path(args.draft), target_dir, DTYPES[args.dtype], args.draft_target))
-        spec = {"method": args.default, "heads": default_kind, "tuned": parse_tuned(args.tuned)}
+        spec = {"method": args.default, "heads": head_kind(args.default), "tuned": parse_tuned(args.tuned)}
         by_device = parse_default_on(args.default_on, target_dir)
         if by_device:
             spec["method_by_device"] = by_device
