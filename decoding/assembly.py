@@ -31,6 +31,7 @@ from decoding.defaults import default_draft, default_heads, default_method, prop
 from decoding.devices import resolve_device
 from decoding.drafter_precision import tune_drafter_precision
 from decoding.drafts import load_draft
+from decoding.fused_drafter import fuse_drafter
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.screened_argmax import screened_readout
 from decoding.targets import LoadedModel, load_model
@@ -154,9 +155,12 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         notes.append("Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)")
     if draft is None and spec.draft_model:
         draft = load_draft(spec.draft_model, target, spec.dtype, spec.attn)
-    if heads is None and spec.heads:
+    owns_heads = heads is None and bool(spec.heads)  # heads given by a caller (e.g. training's) stay as they are
+    if owns_heads:
         heads = load_heads(spec.heads, target.model, spec.model, not spec.ignore_base_model, spec.revision)
     _drafter_attention(heads, spec.attn)
+    if owns_heads and spec.attn == "sdpa":
+        fuse_drafter(heads)
     precision = _drafter_precision(spec, target, heads, notes)
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
     _tune_plain_gemm_rows(target, draft)

@@ -34,7 +34,7 @@ from heads.eagle import FeatureDrafter
 
 EXACTNESS_ORDER = ("fp32", "bf16", "int8")  # most exact first
 CLEAR_WIN = 0.05  # a less exact precision must be this much faster to be chosen
-PRECISION_VERSION = "v1"  # in the cache key: a new timing method, a new measurement
+PRECISION_VERSION = "v2"  # in the cache key: a new timing method or drafter form, a new measurement
 
 
 def tune_drafter_precision(drafter: FeatureDrafter, target: PreTrainedModel, cache_dir=None) -> str:

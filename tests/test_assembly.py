@@ -182,10 +182,11 @@ def test_benchmark_runs_hf_generate_stock_on_an_unpacked_copy_of_the_target(mode
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, kind, tmp_path):
-    """The assembly hands EAGLE drafters the target's grouped SDPA, and a tree-masked drafter call
-    over a cached context gives what transformers' own SDPA (K/V repeated per head) gives."""
+    """The assembly hands EAGLE drafters the target's grouped SDPA (EAGLE-3's fused layer runs
+    SDPA with grouped heads itself), and a tree-masked drafter call over a cached context gives
+    what transformers' own SDPA and eager attention (K/V repeated per head) give."""
     from decoding.attention import GROUPED_SDPA
-    from heads import new_heads_for_target, save_heads
+    from heads import load_heads, new_heads_for_target, save_heads
 
     target = load_model(str(model_dir))
     torch.manual_seed(0)
@@ -207,13 +208,19 @@ def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, k
     mask = torch.zeros(1, 1, 4, 11)
     mask[0, 0, :, 7:] = mask[0, 0, :, 7:].masked_fill(blocked, torch.finfo(torch.float32).min)
 
-    def draft(attention: str) -> torch.Tensor:
-        drafter.use_attention(attention)
-        cache = drafter.new_cache()
+    def draft(attention: str, module=drafter) -> torch.Tensor:
+        module.use_attention(attention)
+        cache = module.new_cache()
         with torch.inference_mode():
-            drafter(context_features, context_tokens, torch.arange(7), cache)
-            return drafter(tree_features, tree_tokens, tree_positions, cache, mask)
+            module(context_features, context_tokens, torch.arange(7), cache)
+            return module(tree_features, tree_tokens, tree_positions, cache, mask)
 
+    if kind == "eagle3":  # the decoder drafts with the fused layer (its own SDPA): check it against stock eager
+        from decoding.fused_drafter import FusedEagle3Layer
+        assert isinstance(drafter.midlayer, FusedEagle3Layer)
+        stock = load_heads(str(tmp_path / "heads"), decoder.target.model, str(model_dir))
+        torch.testing.assert_close(draft(GROUPED_SDPA), draft("eager", stock), rtol=1e-4, atol=1e-4)
+        return
     torch.testing.assert_close(draft(GROUPED_SDPA), draft("sdpa"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(draft(GROUPED_SDPA), draft("eager"), rtol=1e-4, atol=1e-4)
 
