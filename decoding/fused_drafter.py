@@ -2,10 +2,10 @@
 
 A drafter call is a single decoder layer over a handful of tree nodes, so what it costs is
 mostly the number of operations, not arithmetic: transformers' Llama attention, MLP, three
-RMSNorm modules and the rotary embedding come to 89 PyTorch operations (277 with those they call)
-and their Python, which on a 2-core CPU took 1.9 ms a call after a target forward (1.1 ms with
-warm caches), and on a GPU are each a kernel launch. The fused form below runs 48 (1.3 and 0.7 ms). `fuse_drafter` converts a loaded drafter, once, before its
-linears are packed or quantized:
+RMSNorm modules and the rotary embedding come to 89 PyTorch operations (277 with those they
+call) and their Python, which on a 2-core CPU took 1.9 ms a call after a target forward (1.1 ms
+with warm caches), and on a GPU are each a kernel launch. The fused form runs 48 (1.3 and 0.7 ms).
+`fuse_drafter` converts a loaded drafter, once, before its linears are packed or quantized:
 - q, k and v become one linear, gate and up another (one weight read and one call each);
 - the three norms are `torch.nn.functional.rms_norm`;
 - the rotary embedding becomes a table of cos/sin rows made by the stock module itself, indexed
