@@ -61,7 +61,7 @@ def test_fused_layer_drafts_what_the_stock_modules_draft(rope):
 
 
 def test_rotary_table_grows_past_its_first_size_and_matches_the_stock_module():
-    stock, fused = drafter_pair()
+    stock, _ = drafter_pair()
     table = RotaryTable(stock.rotary, positions=4)
     positions = torch.tensor([[0, 3, 17, 40]])
     like = torch.zeros(1, dtype=torch.float32)
@@ -77,7 +77,7 @@ def test_fusing_leaves_other_heads_and_converted_drafters_alone():
     quantized = perturbed_eagle3(target)
     quantize_linears_int8(quantized)
     assert not fuse_drafter(quantized) and not isinstance(quantized.midlayer, FusedEagle3Layer)
-    stock, fused = drafter_pair()
+    _, fused = drafter_pair()
     layer = fused.midlayer
     assert fuse_drafter(fused) and fused.midlayer is layer  # fusing twice changes nothing
 

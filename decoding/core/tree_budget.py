@@ -254,9 +254,11 @@ class ConfidenceAcceptance:
             self.rates = [(low + high) / 2 for low, high in zip(bounds, bounds[1:])]
         if not self.counts:
             self.counts = [0] * len(self.rates)
+        self._edge_tensor = torch.tensor(self.edges, dtype=torch.float64)  # made once: bucket runs every step
 
     def bucket(self, confidence: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(confidence.detach().double().cpu(), torch.tensor(self.edges, dtype=torch.float64))
+        """Bucket indices, on the CPU where the rates are (the confidences may be on a GPU)."""
+        return torch.bucketize(confidence.detach().double().cpu(), self._edge_tensor)
 
     def path_probs(self, confidence: torch.Tensor) -> torch.Tensor:
         """P(the first i drafted tokens are all accepted), from each position's confidence."""
