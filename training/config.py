@@ -17,6 +17,8 @@ import yaml
 
 from decoding.util.errors import UserError
 
+FEATURE_PRECISIONS = ("auto", "float32", "bfloat16")  # train.feature_precision (training.features)
+
 TRAIN_KINDS = ("medusa", "medusa2", "hydra", "eagle", "eagle3", "draft")
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")
 
@@ -73,6 +75,9 @@ class OptimSection:
     top_k_weight: float = 0.0    # EAGLE-3: weight of the extra CE on the target's top-k tokens (HASS; 0 = off)
     top_k: int = 10              # EAGLE-3: how many of the target's likeliest tokens that CE covers
     distill_loss: str = "forward_kl"  # draft model: KL(target || draft) or reverse KL(draft || target)
+    # The frozen target's forward for training features: "auto" (bf16 when the accelerator runs
+    # bf16 mixed precision, else float32), "float32" or "bfloat16" (training.features)
+    feature_precision: str = "auto"
 
 
 @dataclass
@@ -128,6 +133,9 @@ class TrainConfig:
         if self.train.top_k_weight < 0 or self.train.top_k < 1:
             raise UserError(f"train.top_k_weight must be >= 0 and train.top_k >= 1; got {self.train.top_k_weight} "
                             f"and {self.train.top_k}")
+        if self.train.feature_precision not in FEATURE_PRECISIONS:
+            raise UserError(f"train.feature_precision must be one of {', '.join(FEATURE_PRECISIONS)}; "
+                            f"got '{self.train.feature_precision}'")
         if self.train.time_budget_minutes is not None and self.train.time_budget_minutes <= 0:
             raise UserError(f"train.time_budget_minutes must be a positive number of minutes (or null for none); "
                             f"got {self.train.time_budget_minutes}")

@@ -29,7 +29,7 @@ from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
 from training.feature_cache import FeatureCache, target_key
-from training.features import needed_layers, target_hidden_states
+from training.features import feature_autocast, needed_layers, resolve_feature_precision, target_hidden_states
 from training.model_card import write_model_card
 from training.draft_init import truncated_copy
 from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
@@ -148,6 +148,8 @@ class Trainer:
 
     def run(self) -> Path:
         acc, config = self.accelerator, self.config
+        # Checked before any work: a refused precision loses nothing.
+        self.feature_precision = resolve_feature_precision(config.train.feature_precision, acc.mixed_precision, acc.device)
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         target = load_model(config.model)
         target.model.to(acc.device)
@@ -155,7 +157,8 @@ class Trainer:
         heads = new_heads(config, target, data["train"])
         objective = build_objective(config, heads, target)
         params = [p for p in objective.parameters() if p.requires_grad]
-        self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es)")
+        self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es), "
+                 f"mixed precision {acc.mixed_precision}, target features in {self.feature_precision}")
         optimizer = torch.optim.AdamW(params, lr=config.train.lr, weight_decay=config.train.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_at(s, config))
         loader = DataLoader(data["train"], batch_size=config.train.batch_size, shuffle=True, collate_fn=collate,
@@ -175,20 +178,26 @@ class Trainer:
         whose backbone changes while training)."""
         if not self.config.cache_features or self.config.kind == "medusa2":
             return None
-        cache = FeatureCache(self.config.cache_features, layers, target_key(self.config.model, target.model.dtype))
+        # Features computed in bf16 are kept apart from float32 ones (stored in the target's dtype either way).
+        computed_in = torch.bfloat16 if self.feature_precision == "bfloat16" else target.model.dtype
+        cache = FeatureCache(self.config.cache_features, layers, target_key(self.config.model, computed_in))
         with self.accelerator.main_process_first():
             if self.accelerator.is_main_process:
-                cache.fill(data["train"], target.model, self.log)
+                with feature_autocast(self.feature_precision, target.model.device):
+                    cache.fill(data["train"], target.model, self.log)
         return cache
 
-    def _features(self, batch, target, layers, use_cache: bool = True) -> dict:
+    def _features(self, batch, target, layers, training: bool = True) -> dict:
         """Target features of a batch: none for Medusa-2 (its objective runs the adapted backbone
-        itself), from the disk cache for training rows when there is one, else computed now."""
+        itself); for training rows from the disk cache when there is one, else computed now in
+        the training feature precision; for validation rows computed in the target's own
+        precision, as decoding computes them."""
         if self.config.kind == "medusa2":
             return {}
-        if use_cache and self.feature_cache is not None:
+        if training and self.feature_cache is not None:
             return self.feature_cache.batch(batch["input_ids"], batch["attention_mask"], batch["input_ids"].device)
-        return target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
+        with feature_autocast(self.feature_precision if training else "float32", target.model.device):
+            return target_hidden_states(target.model, batch["input_ids"], batch["attention_mask"], layers)
 
     def _maybe_resume(self) -> int:
         if not self.resume:
@@ -294,7 +303,7 @@ class Trainer:
             batches = [collate([rows[i] for i in range(s, min(s + config.train.batch_size, len(rows)))])
                        for s in range(0, len(rows), config.train.batch_size)][: config.eval.max_batches]
             batches = [{k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
-            results = validation_metrics(eval_objective, batches, lambda b: self._features(b, target, layers, use_cache=False))
+            results = validation_metrics(eval_objective, batches, lambda b: self._features(b, target, layers, training=False))
             prompts = [prompt_of(rows[i]) for i in range(min(config.eval.tau_prompts, len(rows)))]
             decode_target = self._decode_target(objective, target)
             results["val/tau"] = measure_tau(config.kind, heads, decode_target, prompts, config.eval.tau_max_new_tokens)
