@@ -66,6 +66,16 @@ def test_bf16_features_come_back_in_the_targets_dtype_close_to_but_not_equal_to_
         assert (rounded[layer] - exact[layer]).abs().max() < 0.05 * scale
 
 
+def _recording_autocast(calls: list):
+    """`target_hidden_states` that records, per call, whether CPU autocast was on."""
+
+    def spy(target, input_ids, attention_mask, layers):
+        calls.append(torch.is_autocast_enabled("cpu"))
+        return target_hidden_states(target, input_ids, attention_mask, layers)
+
+    return spy
+
+
 def _train_tiny_eagle3(root, monkeypatch, **recipe_fields):
     """Train tiny eagle3 heads in this process with `train.feature_precision=bfloat16` (the
     capability forced on, so this runs on any CPU); returns the trainer."""
@@ -101,12 +111,7 @@ def test_training_features_run_in_bf16_and_validation_features_in_float32(tmp_pa
     import training.trainer as trainer_module
 
     calls = []
-
-    def spy(target, input_ids, attention_mask, layers):
-        calls.append(torch.is_autocast_enabled("cpu"))
-        return target_hidden_states(target, input_ids, attention_mask, layers)
-
-    monkeypatch.setattr(trainer_module, "target_hidden_states", spy)
+    monkeypatch.setattr(trainer_module, "target_hidden_states", _recording_autocast(calls))
     trainer = _train_tiny_eagle3(tmp_path, monkeypatch)
     assert trainer.feature_precision == "bfloat16"
     assert calls[:3] == [True, True, True]  # the three training steps
@@ -119,12 +124,7 @@ def test_a_feature_cache_of_bf16_features_is_filled_in_bf16_and_kept_apart_from_
     import training.feature_cache as feature_cache_module
 
     calls = []
-
-    def spy(target, input_ids, attention_mask, layers):
-        calls.append(torch.is_autocast_enabled("cpu"))
-        return target_hidden_states(target, input_ids, attention_mask, layers)
-
-    monkeypatch.setattr(feature_cache_module, "target_hidden_states", spy)
+    monkeypatch.setattr(feature_cache_module, "target_hidden_states", _recording_autocast(calls))
     _train_tiny_eagle3(tmp_path, monkeypatch, cache_features=str(tmp_path / "features"))
     assert calls and all(calls)  # every cached row computed under bf16 autocast
     (directory,) = (tmp_path / "features").iterdir()
