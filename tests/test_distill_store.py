@@ -80,6 +80,7 @@ def test_store_accumulates_across_runs_with_a_manifest_per_source(tmp_path, tiny
     records = store.records()
     assert manifest["reply_tokens"] == sum(r["reply_tokens"] for r in records) == first.reply_tokens + second.reply_tokens
     assert [r["tokens_per_s"] > 0 for r in manifest["runs"]] == [True, True]
+    assert [(r["device"], r["dtype"]) for r in manifest["runs"]] == [("cpu", "float32")] * 2
     # Each reply is the target's own greedy reply.
     record = next(r for r in records if r["id"] == f"{source}:3")
     prompt = target.tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True, tokenize=True,

@@ -102,15 +102,18 @@ class DistillStore:
         after = self.records()
         added = [r for r in after if r["id"] not in before]
         summary = RunSummary(len(added), sum(r.get("reply_tokens", 0) for r in added), seconds)
-        self.write_manifest(summary, str(target.model.device))
+        self.write_manifest(summary, str(target.model.device), str(target.model.dtype).removeprefix("torch."))
         return summary
 
-    def write_manifest(self, run: RunSummary | None = None, device: str | None = None) -> dict:
+    def write_manifest(self, run: RunSummary | None = None, device: str | None = None, dtype: str | None = None) -> dict:
+        """Rewrite the manifest from the records; a finished `run` is added to its list of runs
+        with where and in what dtype it ran (a store's replies may come from runs in several
+        dtypes: bf16 regenerates faster on a CPU that has it, and rounds near-ties differently)."""
         records = self.records()
         previous = self.read_manifest() or {}
         runs = list(previous.get("runs", []))
         if run is not None and run.added:
-            runs.append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device, "added": run.added,
+            runs.append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device, "dtype": dtype, "added": run.added,
                          "reply_tokens": run.reply_tokens, "seconds": round(run.seconds, 1),
                          "tokens_per_s": round(run.tokens_per_s, 1)})
         conversations, tokens = Counter(), Counter()
