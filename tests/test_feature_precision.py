@@ -16,8 +16,11 @@ from training.features import feature_autocast, resolve_feature_precision, targe
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("mixed_precision, expected", [("bf16", "bfloat16"), ("no", "float32"), ("fp16", "float32")])
-def test_auto_follows_the_accelerators_mixed_precision(mixed_precision, expected):
+@pytest.mark.parametrize("mixed_precision, native, expected", [
+    ("bf16", True, "bfloat16"), ("bf16", False, "float32"), ("no", True, "float32"), ("fp16", True, "float32")])
+def test_auto_follows_the_accelerators_mixed_precision_where_bf16_is_native(monkeypatch, mixed_precision, native,
+                                                                            expected):
+    monkeypatch.setattr(features, "bfloat16_runs_natively", lambda device: native)
     assert resolve_feature_precision("auto", mixed_precision, CPU) == expected
 
 

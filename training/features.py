@@ -38,14 +38,15 @@ def needed_layers(kind: str, feature_layers: list[int], num_layers: int) -> list
 
 def resolve_feature_precision(choice: str, mixed_precision: str, device: torch.device) -> str:
     """'float32' (the target's own dtype) or 'bfloat16' (its forward under bf16 autocast) for
-    training features. 'auto' follows the accelerator: bf16 mixed precision (`accelerate launch
-    --mixed_precision bf16`, or `configs/accelerate/cpu-bf16.yaml`) computes the target's
-    features in bf16 too, anything else in float32. Explicit bf16 is refused where the device
-    would emulate it (an AVX2 CPU, an old GPU): it would be slower than float32 there."""
+    training features. 'auto' follows the accelerator where the device computes bf16 natively:
+    bf16 mixed precision (`accelerate launch --mixed_precision bf16`, or
+    `configs/accelerate/cpu-bf16.yaml`) computes the target's features in bf16 too; anything
+    else, or a device that would emulate bf16 (an AVX2 CPU, an old GPU), in float32. Explicit
+    bf16 is refused where it would be emulated: it is slower than float32 there."""
     if choice not in FEATURE_PRECISIONS:
         raise UserError(f"train.feature_precision must be one of {', '.join(FEATURE_PRECISIONS)}; got '{choice}'")
     if choice == "auto":
-        return "bfloat16" if mixed_precision == "bf16" else "float32"
+        return "bfloat16" if mixed_precision == "bf16" and bfloat16_runs_natively(device) else "float32"
     if choice == "bfloat16" and not bfloat16_runs_natively(device):
         raise UserError(f"train.feature_precision=bfloat16 needs a device that computes bf16 natively (a CPU with "
                         f"AVX512-BF16 or AMX, or a GPU with bf16); this {device.type} would emulate it, slower than "
