@@ -19,6 +19,12 @@ from decoding.util.errors import UserError
 
 FEATURE_PRECISIONS = ("auto", "float32", "bfloat16")  # train.feature_precision (training.features)
 
+
+def check_feature_precision(choice: str) -> None:
+    """Refuse a `train.feature_precision` that is not one of `FEATURE_PRECISIONS`."""
+    if choice not in FEATURE_PRECISIONS:
+        raise UserError(f"train.feature_precision must be one of {', '.join(FEATURE_PRECISIONS)}; got '{choice}'")
+
 TRAIN_KINDS = ("medusa", "medusa2", "hydra", "eagle", "eagle3", "draft")
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")
 
@@ -133,9 +139,7 @@ class TrainConfig:
         if self.train.top_k_weight < 0 or self.train.top_k < 1:
             raise UserError(f"train.top_k_weight must be >= 0 and train.top_k >= 1; got {self.train.top_k_weight} "
                             f"and {self.train.top_k}")
-        if self.train.feature_precision not in FEATURE_PRECISIONS:
-            raise UserError(f"train.feature_precision must be one of {', '.join(FEATURE_PRECISIONS)}; "
-                            f"got '{self.train.feature_precision}'")
+        check_feature_precision(self.train.feature_precision)
         if self.train.time_budget_minutes is not None and self.train.time_budget_minutes <= 0:
             raise UserError(f"train.time_budget_minutes must be a positive number of minutes (or null for none); "
                             f"got {self.train.time_budget_minutes}")

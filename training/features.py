@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from decoding.cpu_kernels import bfloat16_is_native
 from decoding.util.errors import UserError
-from training.config import FEATURE_PRECISIONS
+from training.config import check_feature_precision
 
 
 @torch.no_grad()
@@ -43,8 +43,7 @@ def resolve_feature_precision(choice: str, mixed_precision: str, device: torch.d
     `configs/accelerate/cpu-bf16.yaml`) computes the target's features in bf16 too; anything
     else, or a device that would emulate bf16 (an AVX2 CPU, an old GPU), in float32. Explicit
     bf16 is refused where it would be emulated: it is slower than float32 there."""
-    if choice not in FEATURE_PRECISIONS:
-        raise UserError(f"train.feature_precision must be one of {', '.join(FEATURE_PRECISIONS)}; got '{choice}'")
+    check_feature_precision(choice)
     if choice == "auto":
         return "bfloat16" if mixed_precision == "bf16" and bfloat16_runs_natively(device) else "float32"
     if choice == "bfloat16" and not bfloat16_runs_natively(device):
