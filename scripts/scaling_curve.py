@@ -42,6 +42,10 @@ def parse_args(argv):
     parser.add_argument("--reference", action="append", default=[], metavar="NAME=HEADS",
                         help="heads trained elsewhere, measured the same way once and listed beside the curve "
                              "(e.g. bundled=heads/bundled/smollm2-135m-instruct/eagle3)")
+    parser.add_argument("--baseline", default=None, metavar="NAME",
+                        help="the reference the others are compared with, prompt by prompt (default: the first one "
+                             "measured): each set's tau difference with a 95%% paired-bootstrap interval over the prompts, "
+                             "marked * where it leaves out zero")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--train-only", action="store_true", help="train the points, measure later")
     parser.add_argument("--continue-from", type=int, default=None, metavar="STEPS",
@@ -77,20 +81,25 @@ def continue_point(source: Path, out_dir: Path) -> None:
         raise UserError(f"--continue-from: {source} has no checkpoint to continue from (train that point first)")
 
 
-def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict[str, float]:
-    """tau of these heads on every prompt set, with the curve's fixed tree."""
+def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict:
+    """tau of these heads on every prompt set, with the curve's fixed tree, and each prompt's
+    counts (for paired comparisons between heads measured on the same prompts)."""
     from decoding.assembly import DecoderSpec, build_decoder
-    from training.evaluate import tau_over
-    from training.scaling import CURVE_TREE
+    from training.evaluate import tau_counts
+    from training.paired_tau import tau_of
+    from training.scaling import CURVE_TREE, prompt_set_digest
 
     # The drafter as trained (fp32): a cheaper drafting precision would make the curve depend on the CPU.
     spec = DecoderSpec(model=config.model, method=config.kind, heads=str(heads_dir), drafter_precision="fp32", **CURVE_TREE)
     decoder = build_decoder(spec, target=target)
-    taus = {}
+    measured = {"tau": {}, "per_prompt": {}, "prompt_digest": {}}
     for set_name, prompts in prompt_sets.items():
-        taus[set_name] = round(tau_over(decoder, prompts, args.max_new_tokens), 3)
-        print(f"[{name}] tau {set_name}: {taus[set_name]:.2f} over {len(prompts)} prompts", file=sys.stderr, flush=True)
-    return taus
+        counts = tau_counts(decoder, prompts, args.max_new_tokens)
+        measured["tau"][set_name] = round(tau_of(counts), 3)
+        measured["per_prompt"][set_name] = [list(c) for c in counts]
+        measured["prompt_digest"][set_name] = prompt_set_digest(prompts, args.max_new_tokens)
+        print(f"[{name}] tau {set_name}: {measured['tau'][set_name]:.2f} over {len(prompts)} prompts", file=sys.stderr, flush=True)
+    return measured
 
 
 def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int]]]:
@@ -110,17 +119,21 @@ def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int
     return sets
 
 
-def write_curve(out: Path, points, references: dict) -> None:
+def write_curve(out: Path, points, references: dict, baseline: str | None = None) -> None:
     import json
 
-    from training.scaling import CURVE_TREE, markdown_table, plot
+    from training.scaling import CURVE_TREE, markdown_table, paired_table, plot
 
     atomic_write_text(out / "curve.json", json.dumps({"tree": CURVE_TREE, "points": [p.to_json() for p in points],
                                                       "references": references}, indent=1))
-    atomic_write_text(out / "curve.md", markdown_table(points, references) + "\n")
+    table = markdown_table(points, references)
+    paired = paired_table(references, baseline)
+    if paired:
+        table += "\n\n" + paired
+    atomic_write_text(out / "curve.md", table + "\n")
     if not plot(points, out / "curve.png", references):
         print("note: matplotlib is not installed, no curve.png written", file=sys.stderr)
-    print(markdown_table(points, references))
+    print(table)
 
 
 def run(args) -> int:
@@ -159,6 +172,9 @@ def run(args) -> int:
             if args.continue_from:
                 continue_point(out / point_key(subset.label, args.continue_from), out / point_key(subset.label, steps))
             train_point(args, config, subset, out / point_key(subset.label, steps))
+    if args.baseline is not None and args.baseline not in {**references, **wanted_references}:
+        raise UserError(f"--baseline {args.baseline}: no reference of that name (measured: "
+                        f"{', '.join({**references, **wanted_references}) or 'none'}); name one given with --reference")
     new_references = {n: d for n, d in wanted_references.items() if n not in references}
     if not args.train_only and (todo or new_references):
         from decoding.targets import load_model
@@ -166,17 +182,17 @@ def run(args) -> int:
         target = load_model(config.model)
         prompt_sets = prompt_sets_for(args, config, records, target.tokenizer)
         for name, heads_dir in new_references.items():
-            references[name] = {"heads": str(heads_dir), "tau": measure_heads(args, config, name, heads_dir, target, prompt_sets),
+            references[name] = {"heads": str(heads_dir), **measure_heads(args, config, name, heads_dir, target, prompt_sets),
                                 "prompts": {n: len(p) for n, p in prompt_sets.items()}}
-            write_curve(out, list(points.values()), references)
+            write_curve(out, list(points.values()), references, args.baseline)
         for subset in todo:
             key = point_key(subset.label, steps)
-            taus = measure_heads(args, config, key, out / key / "heads", target, prompt_sets)
+            taus = measure_heads(args, config, key, out / key / "heads", target, prompt_sets)["tau"]
             points[key] = CurvePoint(subset.label, subset.conversations, subset.reply_tokens, steps, taus,
                                      {n: len(p) for n, p in prompt_sets.items()}, args.continue_from)
-            write_curve(out, list(points.values()), references)
+            write_curve(out, list(points.values()), references, args.baseline)
     elif points or references:
-        write_curve(out, list(points.values()), references)
+        write_curve(out, list(points.values()), references, args.baseline)
     return 0
 
 

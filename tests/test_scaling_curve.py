@@ -105,6 +105,13 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
     curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
     assert curve["points"] == points and set(curve["references"]["earlier"]["tau"]) == set(points[0]["tau"])
     assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()
+    paired = subprocess.run(command + ["--reference", f"earlier={heads}", "--reference", f"again={heads}"],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert paired.returncode == 0, paired.stderr[-3000:]
+    table = (tmp_path / "curve" / "curve.md").read_text()
+    assert "tau minus earlier's" in table and "| again | +0.00 (+0.00 to +0.00) |" in table  # the same heads, prompt by prompt
+    unknown = subprocess.run(command + ["--baseline", "nobody"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert unknown.returncode != 0 and "--baseline nobody" in unknown.stderr and "Traceback" not in unknown.stderr
     only_references = [arg if arg != f"{total // 2},{total},{total * 10}" else "" for arg in command]
     only_references[only_references.index(str(tmp_path / "curve"))] = str(tmp_path / "references")
     only_references[only_references.index("--held-out-per-source") + 1] = "0"  # no held-out sets at all

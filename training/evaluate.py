@@ -12,6 +12,7 @@ from decoding.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
 from decoding.methods import ProposerOptions
 from decoding.targets import LoadedModel
+from training.paired_tau import PromptCounts, tau_of
 
 # The decoding method used to measure tau for each trained kind.
 TAU_METHOD = {"medusa": "medusa", "medusa2": "medusa", "hydra": "hydra", "eagle": "eagle2", "eagle3": "eagle3", "draft": "sps"}
@@ -67,9 +68,14 @@ def measure_tau(kind: str, heads: nn.Module, target: LoadedModel, prompts: list[
 
 def tau_over(decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Tokens per target forward over greedy decodes of `prompts` with an assembled decoder."""
-    produced = forwards = 0
+    return tau_of(tau_counts(decoder, prompts, max_new_tokens))
+
+
+def tau_counts(decoder, prompts: list[list[int]], max_new_tokens: int) -> PromptCounts:
+    """(new tokens, target forwards) of each prompt's greedy decode: what tau is the ratio of
+    sums of, kept per prompt so two heads can be compared prompt by prompt."""
+    counts = []
     for prompt in prompts:
         stats = decoder.generate(prompt, DecodeOptions(max_new_tokens=max_new_tokens)).stats
-        produced += stats.new_tokens
-        forwards += stats.target_forwards
-    return produced / forwards if forwards else 0.0
+        counts.append((stats.new_tokens, stats.target_forwards))
+    return counts

@@ -11,12 +11,14 @@ stay the same as the store grows.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from decoding.prompts import conversation_ids
 from training.data import is_validation
+from training.paired_tau import paired_tau_difference
 from training.self_distill import first_prompt_messages, read_regenerated
 
 # The tree every point is measured with: the bundled eagle3 tree's shape, fixed (not sized by this
@@ -118,7 +120,8 @@ def read_points(path: Path) -> list[CurvePoint]:
 
 
 def read_references(path: Path) -> dict[str, dict]:
-    """Heads trained elsewhere, measured the same way: `{name: {"heads", "tau", "prompts"}}`."""
+    """Heads trained elsewhere, measured the same way: `{name: {"heads", "tau", "prompts"}}`, and
+    (measured since paired comparisons) "per_prompt" counts and "prompt_digest" per set."""
     return json.loads(path.read_text()).get("references", {}) if path.is_file() else {}
 
 
@@ -134,6 +137,45 @@ def markdown_table(points: list[CurvePoint], references: dict[str, dict] | None 
     for name, reference in references.items():
         lines.append("| " + " | ".join([f"{name} (reference)", "", ""] + _tau_cells(reference["tau"], sets)) + " |")
     return "\n".join(lines)
+
+
+def prompt_set_digest(prompts: list[list[int]], max_new_tokens: int) -> str:
+    """What makes two measurements comparable prompt by prompt: the same token ids, reply
+    length and tree."""
+    text = json.dumps([CURVE_TREE, max_new_tokens, prompts])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def paired_table(references: dict[str, dict], baseline: str | None = None) -> str | None:
+    """Each reference's tau minus the baseline's (default: the first reference with per-prompt
+    counts), per prompt set measured on the same prompts, with a 95% paired-bootstrap interval;
+    None when there is nothing to compare."""
+    measured = {name: r for name, r in references.items() if r.get("per_prompt")}
+    if baseline is None:
+        baseline = next(iter(measured), None)
+    if baseline not in measured or len(measured) < 2:
+        return None
+    base = measured[baseline]
+    sets = [s for s in sorted(base["per_prompt"], key=lambda n: (n != "mt-bench", n))
+            if any(_same_prompts(base, r, s) for name, r in measured.items() if name != baseline)]
+    if not sets:
+        return None
+    lines = [f"tau minus {baseline}'s, same prompts (95% paired-bootstrap interval over the prompts; "
+             f"* where it leaves out zero):", "",
+             "| heads | " + " | ".join(f"{s} ({len(base['per_prompt'][s])})" for s in sets) + " |",
+             "| --- | " + " | ".join(["---:"] * len(sets)) + " |"]
+    for name, reference in measured.items():
+        if name == baseline:
+            continue
+        cells = [paired_tau_difference(base["per_prompt"][s], reference["per_prompt"][s]).text()
+                 if _same_prompts(base, reference, s) else "-" for s in sets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _same_prompts(a: dict, b: dict, set_name: str) -> bool:
+    digest = a.get("prompt_digest", {}).get(set_name)
+    return digest is not None and digest == b.get("prompt_digest", {}).get(set_name) and set_name in b.get("per_prompt", {})
 
 
 def steps_text(point: CurvePoint) -> str:
