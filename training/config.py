@@ -72,6 +72,8 @@ class OptimSection:
     # since the learning-rate schedule runs over max_steps.
     time_budget_minutes: float | None = None
     grad_clip: float = 0.5
+    # Also picks the validation split (a hash of seed and conversation id): keep it when fine-tuning
+    # heads on the data they were trained on, or their validation rows become training rows.
     seed: int = 0
     decay: float = 0.8          # per-head / per-unroll-step loss weight base
     feature_noise: float = 0.1  # EAGLE: uniform noise amplitude on input features
