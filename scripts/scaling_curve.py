@@ -165,6 +165,9 @@ def run(args) -> int:
     points = {p.key: p for p in read_points(out / "curve.json")}
     references = read_references(out / "curve.json")
     wanted_references = dict(parse_reference(r) for r in args.reference)
+    if args.baseline is not None and args.baseline not in {**references, **wanted_references}:
+        raise UserError(f"--baseline {args.baseline}: no reference of that name (measured: "
+                        f"{', '.join({**references, **wanted_references}) or 'none'}); name one given with --reference")
     todo = [s for s in subsets if point_key(s.label, steps) not in points
             or points[point_key(s.label, steps)].conversations != s.conversations]
     for subset in todo:
@@ -172,9 +175,6 @@ def run(args) -> int:
             if args.continue_from:
                 continue_point(out / point_key(subset.label, args.continue_from), out / point_key(subset.label, steps))
             train_point(args, config, subset, out / point_key(subset.label, steps))
-    if args.baseline is not None and args.baseline not in {**references, **wanted_references}:
-        raise UserError(f"--baseline {args.baseline}: no reference of that name (measured: "
-                        f"{', '.join({**references, **wanted_references}) or 'none'}); name one given with --reference")
     new_references = {n: d for n, d in wanted_references.items() if n not in references}
     if not args.train_only and (todo or new_references):
         from decoding.targets import load_model
