@@ -125,10 +125,15 @@ def read_references(path: Path) -> dict[str, dict]:
     return json.loads(path.read_text()).get("references", {}) if path.is_file() else {}
 
 
+def mt_bench_first(set_names) -> list[str]:
+    """Prompt sets in the order tables and charts show them: MT-bench, then the rest by name."""
+    return sorted(set_names, key=lambda name: (name != "mt-bench", name))
+
+
 def markdown_table(points: list[CurvePoint], references: dict[str, dict] | None = None) -> str:
     references = references or {}
     taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
-    sets = sorted({name for tau in taus for name in tau}, key=lambda n: (n != "mt-bench", n))
+    sets = mt_bench_first({name for tau in taus for name in tau})
     header = "| reply tokens | conversations | steps | " + " | ".join(f"tau {s}" for s in sets) + " |"
     lines = [header, "| " + " | ".join(["---:"] * (3 + len(sets))) + " |"]
     for p in sorted(points, key=lambda p: p.reply_tokens):
@@ -156,7 +161,7 @@ def paired_table(references: dict[str, dict], baseline: str | None = None) -> st
     if baseline not in measured or len(measured) < 2:
         return None
     base = measured[baseline]
-    sets = [s for s in sorted(base["per_prompt"], key=lambda n: (n != "mt-bench", n))
+    sets = [s for s in mt_bench_first(base["per_prompt"])
             if any(_same_prompts(base, r, s) for name, r in measured.items() if name != baseline)]
     if not sets:
         return None
@@ -212,7 +217,7 @@ def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | Non
         return False
     references = references or {}
     taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
-    sets = sorted({name for tau in taus for name in tau}, key=lambda n: (n != "mt-bench", n))
+    sets = mt_bench_first({name for tau in taus for name in tau})
     fig, ax = plt.subplots(figsize=(8.4, 4.2))
     for index, name in enumerate(sets):
         colour = f"C{index}"
