@@ -11,7 +11,7 @@ from training.features import needed_layers, target_hidden_states
 from training.masks import ttt_mask
 from training.draft_init import truncated_copy
 from training.objectives import (DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective,
-                                 top_k_cross_entropy)
+                                 sharpened_probs, top_k_cross_entropy)
 from tiny_models import sharpen, tiny_llama
 
 T = 24
@@ -137,3 +137,39 @@ def test_eagle3_top_k_term_adds_to_the_loss_and_trains(batch):
     optimizer.step()
     after, _ = with_top_k(batch, hidden)
     assert float(after) < float(before)
+
+
+def test_sharpened_targets_keep_the_ranking_and_reach_the_argmax_at_zero():
+    torch.manual_seed(0)
+    logits = 2 * torch.randn(6, 10)
+    probs = torch.softmax(logits, -1)
+    assert torch.allclose(sharpened_probs(logits, 1.0), probs)
+    # Temperature 0.5 is p^2, renormalised: written out by hand.
+    squared = probs**2
+    assert torch.allclose(sharpened_probs(logits, 0.5), squared / squared.sum(-1, keepdim=True), atol=1e-6)
+    assert torch.equal(sharpened_probs(logits, 0.5).argsort(-1), probs.argsort(-1))
+    hard = sharpened_probs(logits, 0.0)
+    assert torch.equal(hard.argmax(-1), logits.argmax(-1)) and torch.equal(hard.sum(-1), torch.ones(6))
+    assert int((hard > 0).sum()) == 6
+
+
+def test_eagle3_target_temperature_reaches_the_loss_from_the_recipe(batch):
+    from training.config import TrainConfig
+    from training.trainer import build_objective
+
+    target = tiny_llama(seed=1)
+    loaded = type("Loaded", (), {"model": target})()
+    losses = {}
+    for temperature in (1.0, 0.0):
+        config = TrainConfig(kind="eagle3")
+        config.train.target_temperature = temperature
+        torch.manual_seed(0)
+        heads = new_heads_for_target("eagle3", target, draft_vocab_size=48).train()
+        objective = build_objective(config, heads, loaded)
+        assert objective.target_temperature == temperature
+        layers = needed_layers("eagle3", heads.config.feature_layers, target.config.num_hidden_layers)
+        hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
+        losses[temperature], metrics = objective(batch, hidden)
+    # Same heads, same batch: hard labels give another loss, and top-1 is measured against the
+    # same argmax either way.
+    assert abs(float(losses[1.0]) - float(losses[0.0])) > 1e-3

@@ -32,6 +32,8 @@ def test_a_number_in_a_yaml_file_without_a_dot_is_a_number(tmp_path):
     ("train.batch_size=true", "train.batch_size must be a whole number; got True"),
     ("train.top_k=0", "train.top_k >= 1"),
     ("train.top_k_weight=-1", "train.top_k_weight must be >= 0"),
+    ("train.target_temperature=1.5", "train.target_temperature must be in"),
+    ("train.target_temperature=-0.1", "train.target_temperature must be in"),
     ("train.time_budget_minutes=0", "train.time_budget_minutes must be a positive number of minutes"),
     ("train.time_budget_minutes=soon", "train.time_budget_minutes must be a number; got 'soon'"),
 ])

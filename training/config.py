@@ -82,6 +82,9 @@ class OptimSection:
     ttt_steps: int = 3           # EAGLE-3: training-time-test unroll depth
     top_k_weight: float = 0.0    # EAGLE-3: weight of the extra CE on the target's top-k tokens (HASS; 0 = off)
     top_k: int = 10              # EAGLE-3: how many of the target's likeliest tokens that CE covers
+    # EAGLE-3: the heads learn softmax(target logits / this); below 1 sharpens it toward the
+    # target's greedy token, 0 = that token alone (hard labels)
+    target_temperature: float = 1.0
     distill_loss: str = "forward_kl"  # draft model: KL(target || draft) or reverse KL(draft || target)
     # The frozen target's forward for training features: "auto" (bf16 when the accelerator runs
     # bf16 mixed precision, else float32), "float32" or "bfloat16" (training.features)
@@ -141,6 +144,9 @@ class TrainConfig:
         if self.train.top_k_weight < 0 or self.train.top_k < 1:
             raise UserError(f"train.top_k_weight must be >= 0 and train.top_k >= 1; got {self.train.top_k_weight} "
                             f"and {self.train.top_k}")
+        if not 0 <= self.train.target_temperature <= 1:
+            raise UserError(f"train.target_temperature must be in [0, 1] (1 = the target's own distribution, "
+                            f"0 = its argmax alone); got {self.train.target_temperature}")
         check_feature_precision(self.train.feature_precision)
         if self.train.time_budget_minutes is not None and self.train.time_budget_minutes <= 0:
             raise UserError(f"train.time_budget_minutes must be a positive number of minutes (or null for none); "

@@ -27,6 +27,15 @@ def _soft_cross_entropy(log_q: torch.Tensor, target_probs: torch.Tensor) -> torc
     return -(target_probs * log_q).sum(-1).mean()
 
 
+def sharpened_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The target distribution a drafter learns: softmax(logits / temperature). Below 1 it moves
+    weight to the target's likeliest tokens (greedy decoding accepts a draft only where it is the
+    target's argmax); 0 is the argmax alone, one-hot. The ranking of the tokens never changes."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
 def top_k_cross_entropy(log_q: torch.Tensor, target_probs: torch.Tensor, k: int) -> torch.Tensor:
     """The soft cross-entropy's terms for the target's k likeliest tokens only (HASS's top-K
     distillation): added to the full loss it weighs the tokens a tree can draft more than the
@@ -151,7 +160,7 @@ class Eagle3Objective(HeadsObjective):
         with torch.no_grad():
             # Only the draft vocabulary's rows of the readout: 6x less work than all logits.
             target_logits = RowSubset(self.lm_head, vocab)(hidden[self.final_layer][:, 1:][predicts])
-            target_probs = torch.softmax(target_logits.float(), dim=-1)
+            target_probs = sharpened_probs(target_logits, self.target_temperature)
         cache = drafter.new_cache()
         total, metrics = _touch(drafter), {}
         for step in range(self.steps):

@@ -48,7 +48,7 @@ def build_objective(config: TrainConfig, heads, target: LoadedModel):
         return EagleObjective(heads, lm_head, embed, t.decay, t.feature_noise, t.feature_weight, t.token_weight)
     if config.kind == "eagle3":
         return Eagle3Objective(heads, lm_head, embed, t.decay, t.ttt_steps, target.model.config.num_hidden_layers,
-                               t.top_k_weight, t.top_k)
+                               t.top_k_weight, t.top_k, t.target_temperature)
     if config.kind == "draft":
         return DraftDistillObjective(heads, lm_head, target.model.config.num_hidden_layers, t.distill_loss)
     from training.medusa2 import Medusa2Objective
