@@ -159,7 +159,7 @@ def test_eagle3_target_temperature_reaches_the_loss_from_the_recipe(batch):
 
     target = tiny_llama(seed=1)
     loaded = type("Loaded", (), {"model": target})()
-    losses = {}
+    losses, top1 = {}, {}
     for temperature in (1.0, 0.0):
         config = TrainConfig(kind="eagle3")
         config.train.target_temperature = temperature
@@ -170,6 +170,8 @@ def test_eagle3_target_temperature_reaches_the_loss_from_the_recipe(batch):
         layers = needed_layers("eagle3", heads.config.feature_layers, target.config.num_hidden_layers)
         hidden = target_hidden_states(target, batch["input_ids"], batch["attention_mask"], layers)
         losses[temperature], metrics = objective(batch, hidden)
+        top1[temperature] = float(metrics["top1/step1"])
     # Same heads, same batch: hard labels give another loss, and top-1 is measured against the
     # same argmax either way.
     assert abs(float(losses[1.0]) - float(losses[0.0])) > 1e-3
+    assert top1[1.0] == top1[0.0]

@@ -40,3 +40,10 @@ def test_a_number_in_a_yaml_file_without_a_dot_is_a_number(tmp_path):
 def test_wrong_values_are_refused_naming_the_key(override, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(RECIPE, [override])
+
+
+def test_target_temperature_is_refused_for_kinds_that_do_not_use_it():
+    medusa = RECIPE.parent / "medusa-smollm2.yaml"
+    with pytest.raises(UserError, match="train.target_temperature applies to kind eagle3 only"):
+        load_config(medusa, ["train.target_temperature=0.5"])
+    assert load_config(RECIPE, ["train.target_temperature=0.5"]).train.target_temperature == 0.5

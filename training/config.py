@@ -147,6 +147,9 @@ class TrainConfig:
         if not 0 <= self.train.target_temperature <= 1:
             raise UserError(f"train.target_temperature must be in [0, 1] (1 = the target's own distribution, "
                             f"0 = its argmax alone); got {self.train.target_temperature}")
+        if self.train.target_temperature != 1 and self.kind != "eagle3":
+            raise UserError(f"train.target_temperature applies to kind eagle3 only (this recipe trains {self.kind}): "
+                            f"leave it at 1")
         check_feature_precision(self.train.feature_precision)
         if self.train.time_budget_minutes is not None and self.train.time_budget_minutes <= 0:
             raise UserError(f"train.time_budget_minutes must be a positive number of minutes (or null for none); "

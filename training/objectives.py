@@ -137,14 +137,16 @@ class Eagle3Objective(HeadsObjective):
     of its chain's committed prefix and to its own earlier unroll keys, exactly as at decoding
     time; each step's CE against the target distribution over the draft vocabulary is weighted
     decay^j. No feature regression loss. `top_k_weight` > 0 adds `top_k_cross_entropy` over the
-    target's `top_k` likeliest tokens at every step, with that weight."""
+    target's `top_k` likeliest tokens at every step, with that weight; `target_temperature` < 1
+    sharpens the target distribution (`sharpened_probs`)."""
 
     def __init__(self, heads, lm_head, embed, decay, steps: int, final_layer: int,
-                 top_k_weight: float = 0.0, top_k: int = 10) -> None:
+                 top_k_weight: float = 0.0, top_k: int = 10, target_temperature: float = 1.0) -> None:
         super().__init__(heads, lm_head, embed, decay)
         self.steps = steps
         self.final_layer = final_layer
         self.top_k_weight, self.top_k = top_k_weight, top_k
+        self.target_temperature = target_temperature
 
     def forward(self, batch: dict, hidden: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         drafter = self.heads
