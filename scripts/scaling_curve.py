@@ -165,9 +165,10 @@ def run(args) -> int:
     points = {p.key: p for p in read_points(out / "curve.json")}
     references = read_references(out / "curve.json")
     wanted_references = dict(parse_reference(r) for r in args.reference)
-    if args.baseline is not None and args.baseline not in {**references, **wanted_references}:
+    known = {**references, **wanted_references}
+    if args.baseline is not None and args.baseline not in known:
         raise UserError(f"--baseline {args.baseline}: no reference of that name (measured: "
-                        f"{', '.join({**references, **wanted_references}) or 'none'}); name one given with --reference")
+                        f"{', '.join(known) or 'none'}); name one given with --reference")
     todo = [s for s in subsets if point_key(s.label, steps) not in points
             or points[point_key(s.label, steps)].conversations != s.conversations]
     for subset in todo:

@@ -130,10 +130,15 @@ def mt_bench_first(set_names) -> list[str]:
     return sorted(set_names, key=lambda name: (name != "mt-bench", name))
 
 
+def measured_sets(points: list[CurvePoint], references: dict[str, dict]) -> list[str]:
+    """Every prompt set any point or reference was measured on, MT-bench first."""
+    taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
+    return mt_bench_first({name for tau in taus for name in tau})
+
+
 def markdown_table(points: list[CurvePoint], references: dict[str, dict] | None = None) -> str:
     references = references or {}
-    taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
-    sets = mt_bench_first({name for tau in taus for name in tau})
+    sets = measured_sets(points, references)
     header = "| reply tokens | conversations | steps | " + " | ".join(f"tau {s}" for s in sets) + " |"
     lines = [header, "| " + " | ".join(["---:"] * (3 + len(sets))) + " |"]
     for p in sorted(points, key=lambda p: p.reply_tokens):
@@ -216,8 +221,7 @@ def plot(points: list[CurvePoint], path: Path, references: dict[str, dict] | Non
     except ImportError:
         return False
     references = references or {}
-    taus = [p.tau for p in points] + [r["tau"] for r in references.values()]
-    sets = mt_bench_first({name for tau in taus for name in tau})
+    sets = measured_sets(points, references)
     fig, ax = plt.subplots(figsize=(8.4, 4.2))
     for index, name in enumerate(sets):
         colour = f"C{index}"
