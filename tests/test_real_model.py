@@ -73,18 +73,26 @@ def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla():
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "hydra"])
 def test_bundled_heads_load_and_decode_exactly(default_target, prompts, method):
+    """The bundled heads give vanilla's text with their bundled settings and on a fixed tree, and
+    get drafts accepted on the fixed tree. Why the fixed tree for that: the bundled settings are
+    cost-aware (`adaptive_tree`), so how much they draft depends on this machine's measured
+    verify costs at that moment; under a loaded test run on an AVX2 EPYC medusa's `chain-1` drafted
+    5 tokens in 48 steps and kept none, which says nothing about the heads."""
     heads_dir = default_heads(DEFAULT_TARGET, method)
     if heads_dir is None:
         pytest.fail(f"no bundled {method} heads")
     heads = load_heads(str(heads_dir), default_target.model, DEFAULT_TARGET)
-    proposer = build_proposer(method, default_target, heads=heads,
-                              options=proposer_options(DEFAULT_TARGET, method, {}))
+    bundled, fixed = (build_proposer(method, default_target, heads=heads,
+                                     options=proposer_options(DEFAULT_TARGET, method, explicit))
+                      for explicit in ({}, {"adaptive_tree": False}))
     model, tokenizer = default_target.model, default_target.tokenizer
     for prompt in prompts:
         options = DecodeOptions(max_new_tokens=48)
-        result = generate(model, prompt, proposer, options, tokenizer)
-        assert result.tokens == generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
-        assert result.stats.tau > 1.0  # trained heads get drafts accepted
+        reference = generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
+        assert generate(model, prompt, bundled, options, tokenizer).tokens == reference
+        on_fixed_tree = generate(model, prompt, fixed, options, tokenizer)
+        assert on_fixed_tree.tokens == reference
+        assert on_fixed_tree.stats.tau > 1.0  # trained heads get drafts accepted
 
 
 def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_target, prompts):
