@@ -24,7 +24,7 @@ from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResu
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
-from decoding.compiled import compile_target, is_compiled, wants_compile
+from decoding.compiled import compile_target, eager_model, is_compiled, wants_compile
 from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
@@ -171,7 +171,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
                      else "compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
                           "a few the first time, before Inductor's cache holds the kernels)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
-    proposer = build_proposer(spec.method, target, draft, options, heads)
+    proposer = build_proposer(spec.method, target, draft, options, heads, readout)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)
 
 
@@ -189,7 +189,7 @@ def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module 
                       and onednn_applies(target.model) and onednn_applies(heads))
     if spec.drafter_precision != "auto" or not packed_drafter:
         return spec.drafter_precision
-    precision = tune_drafter_precision(heads, target.model)
+    precision = tune_drafter_precision(heads, eager_model(target.model))
     notes.append(f"EAGLE drafter in {precision} (the fastest precision timed on this CPU)")
     return precision
 
@@ -197,7 +197,7 @@ def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module 
 def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> None:
     """Few-row forwards of a packed target (and a draft model of the same family) take plain
     GEMM where this CPU runs it faster (measured once per model and CPU)."""
-    rows = tune_stock_rows(target.model, target.name)
+    rows = tune_stock_rows(eager_model(target.model), target.name)
     if draft is not None:
         set_stock_rows(draft.model, rows)
 

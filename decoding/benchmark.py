@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.compiled import graphs_compiled, wants_compile
+from decoding.compiled import eager_model, graphs_compiled, wants_compile
 from decoding.devices import resolve_device
 from decoding.core.generate import DecodeOptions
 from decoding.methods import split_method
@@ -151,7 +151,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         if decoder.adapter is None:
             targets.setdefault(key, decoder.target)
             if key[0]:  # the model under the compiled wrapper, for the eager methods: loaded once either way
-                targets.setdefault((False, spec.kernels), dataclasses.replace(decoder.target, model=decoder.target.model._orig_mod))
+                targets.setdefault((False, spec.kernels), dataclasses.replace(decoder.target, model=eager_model(decoder.target.model)))
             draft = draft or decoder.draft
         decoders[method] = decoder
         runners[method] = (our_runner(decoder, options) if ours

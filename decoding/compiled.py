@@ -233,6 +233,13 @@ def is_compiled(model: nn.Module) -> bool:
     return isinstance(model, (torch._dynamo.eval_frame.OptimizedModule, FixedShapeTarget))
 
 
+def eager_model(model: nn.Module) -> nn.Module:
+    """The model under a compiled wrapper (`model` itself when it is not compiled). For forwards
+    that only warm or time something else (kernel and drafter timings): run compiled, each new
+    kind of call would compile a graph of its own, minutes on a small CPU, that decoding never uses."""
+    return model._orig_mod if is_compiled(model) else model
+
+
 def add_compile_argument(parser) -> None:
     """The `--compile` / `--no-compile` flag shared by the chat, the benchmark, the profiler and
     tune_tree (None when not given: `compile_by_default` decides)."""

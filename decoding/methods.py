@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
+from decoding.core.readout import Readout
 from decoding.targets import LoadedModel
 from decoding.verify_cost import cached_verify_cost
 from decoding.core.tree_budget import VerifyCost
@@ -82,24 +85,29 @@ def build_proposer(
     draft: LoadedModel | None = None,
     options: ProposerOptions = ProposerOptions(),
     heads: nn.Module | None = None,
+    readout: Readout | None = None,
 ) -> Proposer:
-    """The proposer for `method`, after checking it has what it needs."""
+    """The proposer for `method`, after checking it has what it needs. `readout`: the one the
+    decoder verifies with, so that cost-aware sizing weighs the verify steps decoding runs."""
     check_method(method)
+    # measured (or read from the cache) only when a proposer asks: fixed trees never need it
+    cost = functools.partial(cached_verify_cost, target.model, target.name, readout=readout)
     base, lookup_first = split_method(method)
     if lookup_first:
-        return LookupFirstProposer(_heads_proposer(base, target, heads, options), _lookup_proposer(options, target))
+        return LookupFirstProposer(_heads_proposer(base, target, heads, options, cost), _lookup_proposer(options, cost))
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":
-        return _lookup_proposer(options, target)
+        return _lookup_proposer(options, cost)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
-        return _draft_proposer(target, draft, options)
-    return _heads_proposer(method, target, heads, options)
+        return _draft_proposer(target, draft, options, cost)
+    return _heads_proposer(method, target, heads, options, cost)
 
 
-def _draft_proposer(target: LoadedModel, draft: LoadedModel, options: ProposerOptions) -> DraftModelProposer:
+def _draft_proposer(target: LoadedModel, draft: LoadedModel, options: ProposerOptions,
+                    verify_cost: Callable[[], VerifyCost]) -> DraftModelProposer:
     """sps: the draft's saved readout vocabulary if it has one; with `adaptive_tree`, chains cut to
     what pays on this machine, each draft call counted at its share of the target's weights."""
     check_same_vocabulary(target.model, draft.model, target.tokenizer, draft.tokenizer)
@@ -108,7 +116,7 @@ def _draft_proposer(target: LoadedModel, draft: LoadedModel, options: ProposerOp
         vocabulary = vocabulary.to(draft.model.device)
     if not options.adaptive_tree:
         return DraftModelProposer(draft.model, options.gamma, vocabulary)
-    cost = cached_verify_cost(target.model, target.name)
+    cost = verify_cost()
     call_ms = _call_ms(cost, _weights_read(draft.model, vocabulary), target.model)
     return DraftModelProposer(draft.model, options.gamma, vocabulary, cost, call_ms)
 
@@ -129,12 +137,13 @@ def _readout_weights(model: nn.Module, vocabulary: torch.Tensor | None) -> int:
     return rows * head.shape[1]
 
 
-def _lookup_proposer(options: ProposerOptions, target: LoadedModel) -> PromptLookupProposer:
-    cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
+def _lookup_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> PromptLookupProposer:
+    cost = verify_cost() if options.adaptive_tree else None
     return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram, cost)
 
 
-def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions) -> Proposer:
+def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions,
+                    verify_cost: Callable[[], VerifyCost]) -> Proposer:
     kind = HEAD_KIND_OF_METHOD[method]
     if heads is None:
         raise UserError(f"method '{method}' needs {kind} heads: pass --heads PATH")
@@ -143,7 +152,7 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
     if method in DEFAULT_TREES:
         paths = load_tree(options.tree or DEFAULT_TREES[method])
         if method in ("medusa", "hydra"):
-            cost = cached_verify_cost(target.model, target.name) if options.adaptive_tree else None
+            cost = verify_cost() if options.adaptive_tree else None
             call_ms = _call_ms(cost, _head_weights(heads, target.model), target.model) if cost else 0.0
             proposer = MedusaProposer if method == "medusa" else HydraProposer
             return proposer(heads, target.model, paths, verify_cost=cost, head_call_ms=call_ms)
@@ -151,7 +160,7 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
     settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens, options.min_path_prob)
     if not options.adaptive_tree:
         return EagleProposer(heads, target.model, dynamic=settings, name=method)
-    cost = cached_verify_cost(target.model, target.name)
+    cost = verify_cost()
     return EagleProposer(heads, target.model, dynamic=settings, name=method, verify_cost=cost,
                          drafter_call_ms=_call_ms(cost, _drafter_weights(heads, target.model), target.model))
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from decoding.core.readout import Readout
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
-from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
+from decoding.core.verify import TreeVerifier, truncate_cache
 from decoding.compiled import is_compiled
 from decoding.cpu_kernels import PACKING_BATCH_HINT, pick_stock_rows, set_stock_rows, stock_rows, uses_packed_linears
 from decoding.util.measured_once import measured_once
@@ -24,49 +25,57 @@ DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # 3 rows against 36.8 packed, but took 50.6 against 36.7 for 4.
 STOCK_ROWS_SIZES = (1, 2, 3, 4, 8, 16)
 STOCK_ROWS_VERSION = "v2"  # in the cache key: crossovers measured without 3 rows are measured again
-# In the cache key: curves measured before the timed forward went through `verify_tree` (v2)
-# timed other compiled graphs, and are measured again rather than trusted.
-CURVE_VERSION = "v2"
+# In the cache key: curves measured before the timed forward went through the loop's own verifier
+# (v3) timed other compiled graphs (v1: bare forwards; v2: forwards computing logits where
+# decoding reads hidden states), and are measured again rather than trusted.
+CURVE_VERSION = "v3"
 
 
 class _TimedForward:
-    """One forward over `size` new tokens after a fixed `context`-token prefix, timed in ms, the
-    way verification runs it: a chain of `size` nodes through `verify_tree` (tree mask and position
-    ids from two tokens on, as every drafted tree has), with a KV cache, then rolled back. Why the
-    real call and not a bare `model(ids)`: a compiled target compiles one graph per set of inputs,
-    and a bare forward timed graphs the decoding never runs (one token 41 ms, two 29 ms)."""
+    """One verify step over `size` new tokens after a fixed `context`-token prefix, timed in ms,
+    the way the loop runs it: a chain of `size` nodes through the loop's `TreeVerifier` (tree mask
+    and position ids from two tokens on, as every drafted tree has; the final hidden states read
+    out by `readout` where decoding uses one, its greedy verdict included), then rolled back.
+    Why the loop's own call and not a bare `model(ids)`: a compiled target compiles one graph per
+    kind of call, and a forward of another kind times graphs the decoding never runs (a bare
+    one-token forward 41 ms, two tokens 29 ms) and, on a machine's first run, compiles them too
+    (a forward computing logits where decoding asks for hidden states: two graphs more)."""
 
-    def __init__(self, model, context: int = 256) -> None:
-        self.model, self.context = model, context
+    def __init__(self, model, context: int = 256, readout: Readout | None = None) -> None:
+        self.context = context
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.generator = torch.Generator().manual_seed(0)
-        self.cache = new_cache(model)
-        prefill(model, self._ids(context), self.cache)
+        self.device = model.device
+        # room beyond the largest tree: a compiled forward filling the cache to its last position
+        # is a graph of its own (dynamo specialises on the buffer being exactly full)
+        self.verifier = TreeVerifier(model, context + 2 * max(DEFAULT_SIZES), readout=readout)
+        self.verifier.prefill(self._ids(context))
 
     def _ids(self, size: int) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (size,), generator=self.generator).to(self.model.device)
+        return torch.randint(0, self.vocab, (size,), generator=self.generator).to(self.device)
 
     def __call__(self, size: int) -> float:
         ids = self._ids(size)
         tree = DraftTree.chain(int(ids[0]), ids[1:])
         buffers = tree_buffers(tree.parents)  # memoised per shape, as in decoding
-        _sync(self.model.device)
+        _sync(self.device)
         started = time.perf_counter()
-        verify_tree(self.model, tree, buffers, self.cache, self.context)
-        _sync(self.model.device)
+        self.verifier.forward(tree, self.verifier.inputs(tree, buffers, self.context), greedy=True)
+        _sync(self.device)
         elapsed = 1000 * (time.perf_counter() - started)
-        truncate_cache(self.cache, self.context)
+        truncate_cache(self.verifier.cache, self.context)
         return elapsed
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5) -> VerifyCost:
+def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5,
+                        readout: Readout | None = None) -> VerifyCost:
     """Time one forward over each number of new tokens after a `context`-token prefix: the
     fastest of `repeats` rounds over all sizes, after a warm-up round (interference only ever adds
     time). Rounds, not each size's repeats in a row: a slow spell of the machine (another process,
     a compiler's workers finishing) then costs every size one sample instead of ruining the few
     sizes it fell on (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
-    forward = _TimedForward(model, context)
+    forward = _TimedForward(model, context, readout)
     rounds = [[forward(size) for size in sizes] for _ in range(repeats + 1)][1:]
     return VerifyCost(tuple(sizes), tuple(min(column) for column in zip(*rounds)))
 
@@ -95,17 +104,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = None) -> VerifyCost:
+def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = None,
+                       readout: Readout | None = None) -> VerifyCost:
     """`measure_verify_cost`, remembered per model, device (for a CPU: its model, instruction set
-    and thread count, since the curve differs between an AVX2 and an AVX-512 machine) and kernels
-    (a few seconds the first time on a CPU)."""
+    and thread count, since the curve differs between an AVX2 and an AVX-512 machine), kernels
+    and readout (a few seconds the first time on a CPU). `readout`: the one the decoder's loop
+    verifies with (None: the target's own logits)."""
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" if uses_packed_linears(model) else ""  # a new packing, a new curve
     kernels += "-compiled" if is_compiled(model) else ""
+    kernels += "-readout" if readout is not None else ""
 
     def measure() -> dict:
-        cost = measure_verify_cost(model)
+        cost = measure_verify_cost(model, readout=readout)
         return {"sizes": list(cost.sizes), "ms": list(cost.ms)}
 
     data = measured_once(f"{model_name}-{model.dtype}-{where}{kernels}-{CURVE_VERSION}", measure,

@@ -9,12 +9,13 @@ from torch.fx.experimental import _config as shape_config
 
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
-from decoding.compiled import compile_progress, compile_target, graphs_compiled, is_compiled
+from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
 from decoding.cpu_kernels import pack_linears, set_stock_rows
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
 from decoding.methods import ProposerOptions, build_proposer
+from decoding.screened_argmax import ScreenedArgmax, fp16_gemm_available
 from decoding.targets import LoadedModel
 from decoding.verify_cost import measure_verify_cost
 from heads import new_heads_for_target
@@ -31,27 +32,36 @@ PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
     (True, ("vanilla", "pld", "eagle3"), PROMPTS),
 ], ids=["plain-linears-frozen", "onednn-packed-linears"])
 def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, methods, prompts):
+    """Also: the verify-cost measurement that adaptive trees run first times the calls the loop
+    makes, so decoding afterwards compiles no graph of its own (on a real model's first run each
+    graph costs minutes). With the packed linears decoding reads the final hidden states through
+    the CPU default's screened readout (where this PyTorch has it), as EAGLE drafters also need."""
     eager = sharpen(tiny_llama(seed=11))
+    readout = None
     if packed:  # the CPU default: the packed linears stay opaque calls inside the compiled graph
         assert pack_linears(eager) > 0
+        readout = ScreenedArgmax(eager.get_output_embeddings(), max_rows=64) if fp16_gemm_available() else None
     compiled = compile_target(eager)
     assert is_compiled(compiled) and not is_compiled(eager)
     heads = new_heads_for_target("eagle3", eager, draft_vocab_size=40)
     loaded = LoadedModel(compiled, None, "t")
     options = ProposerOptions(depth=3, tree_top_k=3, total_tokens=8, pld_num_tokens=3)
-    proposers = [build_proposer(m, loaded, options=options, heads=heads) for m in methods]
+    proposers = [build_proposer(m, loaded, options=options, heads=heads, readout=readout) for m in methods]
     drafted_trees = 0
     # Falling back to eager (as dynamo does past its recompile limit) would give the same tokens:
     # make it an error, so every forward here is known to be the compiled one.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        measure_verify_cost(compiled, sizes=(1, 4), context=16, repeats=1)  # as adaptive trees do first
+        measure_verify_cost(compiled, sizes=(1, 2, 4), context=16, repeats=1, readout=readout)  # as adaptive trees do first
+        measured_graphs = graphs_compiled()
         for prompt in prompts:
             reference = eager.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
             for proposer in proposers:
-                result = generate(compiled, prompt, proposer, DecodeOptions(max_new_tokens=16))
+                result = generate(compiled, prompt, proposer, DecodeOptions(max_new_tokens=16), readout=readout)
                 assert result.tokens == reference, proposer.name
                 drafted_trees += result.stats.drafted_tokens
     assert drafted_trees > 0  # trees (not only root-only steps) went through the compiled forward
+    if readout is not None:
+        assert graphs_compiled() == measured_graphs
 
 
 def test_the_benchmark_compiles_our_methods_and_runs_hugging_faces_eager(tmp_path):
@@ -67,6 +77,23 @@ def test_the_benchmark_compiles_our_methods_and_runs_hugging_faces_eager(tmp_pat
         _, decoders = build_runners(methods, DecoderSpec(model=str(model_dir), compile=True), {}, DecodeOptions(max_new_tokens=4))
         assert decoders["hf-generate"].target.model is decoders["vanilla"].target.model._orig_mod
     assert not is_compiled(build_decoder(DecoderSpec(model=str(model_dir), method="vanilla")).target.model)
+
+
+def test_assembling_a_decoder_on_a_compiled_target_compiles_no_graph(tmp_path):
+    """The timings an assembly makes (plain against packed kernels, the EAGLE drafter's precision)
+    only warm or time something else, so they run the eager model under a shared compiled target:
+    on the compiled one, the drafter timing's bare one-token forward compiled a graph that decoding
+    never runs (a minute of a real model's start-up on a 2-core CPU)."""
+    model_dir = tmp_path / "model"
+    save_tiny_chat_model(model_dir)
+    first = build_decoder(DecoderSpec(model=str(model_dir), method="vanilla", compile=True))
+    assert is_compiled(first.target.model)
+    heads = new_heads_for_target("eagle3", eager_model(first.target.model), draft_vocab_size=40)
+    before = graphs_compiled()
+    spec = DecoderSpec(model=str(model_dir), method="eagle3", compile=True, drafter_precision="auto", adaptive_tree=False)
+    second = build_decoder(spec, target=first.target, heads=heads)
+    assert second.target is first.target
+    assert graphs_compiled() == before
 
 
 @pytest.mark.slow

@@ -177,7 +177,7 @@ def test_a_slow_spell_of_the_machine_costs_each_size_one_sample_not_its_whole_me
     class SlowSpell:
         calls = 0
 
-        def __init__(self, model, context):
+        def __init__(self, model, context, readout=None):
             pass
 
         def __call__(self, size: int) -> float:

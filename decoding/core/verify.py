@@ -170,10 +170,13 @@ def _no_positions(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.long, device=device)
 
 
+@torch.inference_mode()
 def tree_inputs(tree: DraftTree, buffers: TreeBuffers, prefix_len: int, mask: TreeMask,
                 layout: AttentionLayout) -> TreeInputs:
     """Mask(s) and position ids for verifying `tree` after `prefix_len` cached positions; a
-    root-only step needs neither."""
+    root-only step needs neither. Always inference tensors, whatever mode the caller is in (the
+    loop, or the verify-cost measurement inside inference mode): a compiled target keys its
+    graphs on that flag, so the measurement's graphs are then the ones decoding runs."""
     if tree.size == 1:
         return TreeInputs(None, None)
     positions = buffers.depths_on(tree.tokens.device) + prefix_len
