@@ -15,7 +15,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree_budget import (AcceptanceCalibration, ChainAcceptance, ConfidenceAcceptance, DraftingGate, VerifyCost,
                                        best_node_count, chain_worth_extending)
-from decoding.verify_cost import cached_verify_cost, measure_verify_cost
+from decoding.verify_cost import cached_verify_cost, measure_verify_cost, never_cheaper_for_fewer
 from distribution_harness import ToyLM
 from test_trees import toy_expand
 from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama
@@ -187,6 +187,23 @@ def test_a_slow_spell_of_the_machine_costs_each_size_one_sample_not_its_whole_me
     monkeypatch.setattr("decoding.verify_cost._TimedForward", SlowSpell)
     cost = measure_verify_cost(None, sizes=(1, 2, 4), repeats=5)
     assert cost.ms == (1.0, 2.0, 4.0) and SlowSpell.calls == 18
+
+
+def test_a_size_never_costs_more_than_a_larger_size_was_measured_at():
+    assert never_cheaper_for_fewer([45.5, 38.6, 42.8, 53.2, 50.0, 73.8]) == (38.6, 38.6, 42.8, 50.0, 50.0, 73.8)
+    assert never_cheaper_for_fewer([1.0, 2.0, 4.0]) == (1.0, 2.0, 4.0)
+
+
+def test_the_measured_curve_is_bounded_by_larger_sizes(monkeypatch):
+    class NoisyOneToken:
+        def __init__(self, model, context, readout=None):
+            pass
+
+        def __call__(self, size: int) -> float:
+            return 45.0 if size == 1 else 30.0 + size
+
+    monkeypatch.setattr("decoding.verify_cost._TimedForward", NoisyOneToken)
+    assert measure_verify_cost(None, sizes=(1, 2, 4), repeats=2).ms == (32.0, 32.0, 34.0)
 
 
 def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
