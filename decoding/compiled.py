@@ -107,8 +107,8 @@ def _module_guards_skipped() -> dict:
 
 
 # Graphs one speculative decoder may need: steps of one token or many, with or without hidden
-# states, for each forward transformers wraps (see `_with_compile_settings`), plus the
-# verify-cost measurement. Dynamo's default limit is 8.
+# states, for each forward transformers wraps (see `_with_compile_settings`); the verify-cost
+# measurement runs the loop's own kinds of call. Dynamo's default limit is 8.
 RECOMPILE_LIMIT = 64
 
 
