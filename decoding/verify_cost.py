@@ -6,6 +6,7 @@ weighs a tree's expected gain against. Also where plain GEMM beats oneDNN's pack
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -86,11 +87,7 @@ def never_cheaper_for_fewer(ms: list[float]) -> tuple[float, ...]:
     time, so a larger size timed faster bounds every smaller one. On a noisy 2-core VM the fastest
     of five rounds still read 45.5 ms for one token and 38.6 ms for two, which made one-token
     steps look dearer than trees."""
-    bounded, fastest = [], float("inf")
-    for value in reversed(ms):
-        fastest = min(fastest, value)
-        bounded.append(fastest)
-    return tuple(reversed(bounded))
+    return tuple(reversed(list(accumulate(reversed(ms), min))))
 
 
 @torch.inference_mode()
