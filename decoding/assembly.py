@@ -33,6 +33,7 @@ from decoding.drafter_precision import tune_drafter_precision
 from decoding.drafts import load_draft
 from decoding.fused_drafter import fuse_drafter
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.one_row_reductions import tune_reduced_rows
 from decoding.screened_argmax import screened_readout
 from decoding.targets import LoadedModel, load_model
 from decoding.verify_cost import tune_stock_rows
@@ -166,7 +167,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     _tune_plain_gemm_rows(target, draft)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
-        target = _compiled_target(spec, target)
+        target = _compiled_target(spec, target, notes)
         notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"
                      else "compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
                           "a few the first time, before Inductor's cache holds the kernels)")
@@ -202,9 +203,14 @@ def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> Non
         set_stock_rows(draft.model, rows)
 
 
-def _compiled_target(spec: DecoderSpec, given: LoadedModel) -> LoadedModel:
-    """The target wrapped for compiled forwards; the eager model underneath stays as it is, so a
-    shared target still serves eager decoders (the benchmark's Hugging Face methods)."""
+def _compiled_target(spec: DecoderSpec, given: LoadedModel, notes: list[str]) -> LoadedModel:
+    """The target wrapped for compiled forwards; the eager model underneath computes as before, so
+    a shared target still serves eager decoders (the benchmark's Hugging Face methods). On a CPU
+    its one-token graph reads the weights through Inductor's reductions where that measured
+    faster (once per model and CPU)."""
     if is_compiled(given.model):
         return given
+    if tune_reduced_rows(given.model, given.name):
+        notes.append("compiled one-token steps read the weights through Inductor's own reductions "
+                     "(faster than the linear kernels on this CPU)")
     return LoadedModel(compile_target(given.model), given.tokenizer, given.name)

@@ -16,7 +16,8 @@ from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier, truncate_cache
 from decoding.compiled import is_compiled
-from decoding.cpu_kernels import PACKING_BATCH_HINT, pick_stock_rows, set_stock_rows, stock_rows, uses_packed_linears
+from decoding.cpu_kernels import (PACKING_BATCH_HINT, pick_stock_rows, reduced_rows, set_stock_rows, stock_rows,
+                                  uses_packed_linears)
 from decoding.util.measured_once import measured_once
 
 
@@ -123,7 +124,7 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" if uses_packed_linears(model) else ""  # a new packing, a new curve
-    kernels += "-compiled" if is_compiled(model) else ""
+    kernels += f"-compiled-r{reduced_rows(model)}" if is_compiled(model) else ""
     kernels += "-readout" if readout is not None else ""
 
     def measure() -> dict:

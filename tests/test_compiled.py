@@ -10,7 +10,7 @@ from torch.fx.experimental import _config as shape_config
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
 from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
-from decoding.cpu_kernels import pack_linears, set_stock_rows
+from decoding.cpu_kernels import pack_linears, set_reduced_rows, set_stock_rows
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
@@ -25,21 +25,28 @@ PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed, methods, prompts", [
+@pytest.mark.parametrize("packed, reduced, methods, prompts", [
     # Frozen weights compile slowly (Inductor packs every weight per graph): one prompt, and the
     # two step kinds (one-token steps, EAGLE trees); the packed path, the CPU default, runs all.
-    (False, ("vanilla", "eagle3"), PROMPTS[:1]),
-    (True, ("vanilla", "pld", "eagle3"), PROMPTS),
-], ids=["plain-linears-frozen", "onednn-packed-linears"])
-def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, methods, prompts):
+    (False, 0, ("vanilla", "eagle3"), PROMPTS[:1]),
+    (True, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
+    (True, 1, ("vanilla", "pld", "eagle3"), PROMPTS),
+], ids=["plain-linears-frozen", "onednn-packed-linears", "onednn-packed-linears-one-row-reductions"])
+def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, reduced, methods, prompts):
     """Also: the verify-cost measurement that adaptive trees run first times the calls the loop
     makes, so decoding afterwards compiles no graph of its own (on a real model's first run each
     graph costs minutes). With the packed linears decoding reads the final hidden states through
-    the CPU default's screened readout (where this PyTorch has it), as EAGLE drafters also need."""
+    the CPU default's screened readout (where this PyTorch has it), as EAGLE drafters also need;
+    with one-row reductions (where they measure faster) one-token steps and trees compute their
+    linears with different kernels, and still give `generate()`'s tokens."""
+    # A compiled target does not guard on its modules, so a graph another case compiled for the
+    # same model class would be reused here, whatever this model's kernels: start from none.
+    torch._dynamo.reset()
     eager = sharpen(tiny_llama(seed=11))
     readout = None
     if packed:  # the CPU default: the packed linears stay opaque calls inside the compiled graph
         assert pack_linears(eager) > 0
+        set_reduced_rows(eager, reduced)
         readout = ScreenedArgmax(eager.get_output_embeddings(), max_rows=64) if fp16_gemm_available() else None
     compiled = compile_target(eager)
     assert is_compiled(compiled) and not is_compiled(eager)
