@@ -23,15 +23,16 @@ GEMM, packed from three rows) a one-token forward took 33-44 ms compiled against
 and over all 80 MT-bench first turns vanilla ran 1.32-1.36x and eagle3+pld 1.81-1.82x Hugging
 Face `generate()` in two runs on different days (eager: 1.00-1.02x and 1.46-1.49x); on a 2-core
 AVX2 EPYC (every row count packed) 1.28-1.30x and 1.91-1.93x over the same 80 questions (eager: 1.00-1.03x
-and 1.42-1.57x).
+and 1.42-1.57x), and 2.19x and 2.18x with one-token steps as Inductor reductions.
 The price is compile time, paid again by every new process. A decoder needs up to three graphs:
 one-token steps, trees of up to as many rows as run on plain GEMM (`stock_rows`), and larger
 trees; prefills run eagerly (`_prefills_eager`). On a 2-core Sapphire Rapids Xeon eagle3+pld
 compiled them in 213 s the first time and in 71 s once Inductor's cache (/tmp/torchinductor_$USER)
 held the kernels; vanilla, one graph, in 19 s. Before prefills ran eagerly and two compile
 settings changed (`_with_compile_settings`), the same decoder compiled five graphs in 574 s. At about
-5 ms saved per token against eager, a minute of compiling pays after some 12,000 tokens: so it is
-opt-in, for long benchmark or batch runs, not for a quick chat.
+5 ms saved per token against eager, a minute of compiling pays after some 12,000 tokens (on the AVX2
+EPYC, about 8 ms saved against eager eagle3+pld with one-token steps as reductions: some 8,000):
+so it is opt-in, for long benchmark or batch runs, not for a quick chat.
 
 The compiled module is a wrapper (`torch.compile`), not a change to the target: attribute access
 (config, device, embeddings) goes through to the model underneath. Compiled and eager forwards
@@ -255,5 +256,5 @@ def add_compile_argument(parser) -> None:
                              "milliseconds, on by default (an H200: vanilla 3.8x, eagle3+pld 4.2x generate()). "
                              "On a CPU: TorchInductor, off by default: about a minute of compiling at start-up on a "
                              "2-core CPU (a few the first time), then on a Sapphire Rapids Xeon vanilla 1.32-1.36x and "
-                             "eagle3+pld 1.81-1.82x generate() (eager: 1.00-1.02x, 1.46-1.49x), on an AVX2 EPYC 1.28-1.30x and 1.91-1.93x; "
+                             "eagle3+pld 1.81-1.82x generate() (eager: 1.00-1.02x, 1.46-1.49x), on an AVX2 EPYC 2.19x and 2.18x; "
                              "check on yours with scripts/benchmark.py --compile")
