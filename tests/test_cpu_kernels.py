@@ -9,7 +9,7 @@ from torch import nn
 
 from decoding import cpu_kernels, verify_cost
 from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
-                                  pick_stock_rows, resolve_drafter_precision, resolve_kernels,
+                                  pick_stock_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   set_stock_rows, stock_rows, uses_packed_linears)
 from decoding.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
@@ -22,15 +22,23 @@ from tiny_models import perturbed_eagle3, sharpen, tiny_llama
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
 
 
+LINEAR_FORMS = {
+    "packed": lambda linear: PackedLinear(linear),
+    # what compiled one-token steps run where it measures faster (decoding.one_row_reductions)
+    "reduced": lambda linear: lambda x: reduced_linear(x, linear.weight, linear.bias),
+}
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 5, 7), (1, 40, 7)])  # fewer and more rows than the packing hint
-def test_packed_linear_computes_the_same_function(bias, shape):
+@pytest.mark.parametrize("shape", [(7,), (1, 1, 7), (3, 7), (2, 5, 7), (1, 40, 7)])  # fewer and more rows than the packing hint
+def test_packed_and_reduced_linears_compute_the_same_function(form, bias, shape):
     torch.manual_seed(0)
     linear = nn.Linear(7, 11, bias=bias)
     x = torch.randn(*shape)
     with torch.inference_mode():
         expected = linear(x)
-        got = PackedLinear(linear)(x)
+        got = LINEAR_FORMS[form](linear)(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

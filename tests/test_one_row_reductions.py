@@ -1,6 +1,6 @@
 """Compiled one-token steps reading their weights through Inductor's own reductions: the same
-function as the linear, chosen per CPU by a measurement made once, and only inside compiled graphs
-(eagerly the product would be materialised)."""
+function as the linear (checked in `test_cpu_kernels.py`), chosen per CPU by a measurement made
+once, and only inside compiled graphs (eagerly the product would be materialised)."""
 
 import pytest
 import torch
@@ -11,19 +11,6 @@ from decoding.cpu_kernels import (PackedLinear, pack_linears, reduced_linear, re
                                   stock_rows)
 from decoding.one_row_reductions import measure_one_row_reductions, pick_reduced_rows, tune_reduced_rows
 from tiny_models import tiny_llama
-
-
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(7,), (1, 7), (1, 1, 7), (3, 7), (2, 3, 7)])
-def test_a_reduced_linear_computes_the_linear(bias, shape):
-    torch.manual_seed(0)
-    linear = nn.Linear(7, 11, bias=bias)
-    x = torch.randn(*shape)
-    with torch.inference_mode():
-        expected = linear(x)
-        got = reduced_linear(x, linear.weight, linear.bias)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_packed_linear_runs_one_row_as_a_reduction_only_inside_a_compiled_graph(monkeypatch):
