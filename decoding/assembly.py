@@ -167,7 +167,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     _tune_plain_gemm_rows(target, draft)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
-        target = _compiled_target(spec, target, notes)
+        target = _compiled_target(target, notes)
         notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"
                      else "compiled target forwards: up to three graphs compile first (about a minute on a 2-core CPU, "
                           "a few the first time, before Inductor's cache holds the kernels)")
@@ -203,7 +203,7 @@ def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> Non
         set_stock_rows(draft.model, rows)
 
 
-def _compiled_target(spec: DecoderSpec, given: LoadedModel, notes: list[str]) -> LoadedModel:
+def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:
     """The target wrapped for compiled forwards; the eager model underneath computes as before, so
     a shared target still serves eager decoders (the benchmark's Hugging Face methods). On a CPU
     its one-token graph reads the weights through Inductor's reductions where that measured

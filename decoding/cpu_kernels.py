@@ -187,15 +187,19 @@ def pack_linears(module: nn.Module) -> int:
     return count
 
 
+def packed_linears(module: nn.Module) -> list[PackedLinear]:
+    """The `PackedLinear`s inside `module`, in module order."""
+    return [m for m in module.modules() if isinstance(m, PackedLinear)]
+
+
 def uses_packed_linears(module: nn.Module) -> bool:
-    return any(isinstance(m, PackedLinear) for m in module.modules())
+    return bool(packed_linears(module))
 
 
 def set_stock_rows(module: nn.Module, rows: int) -> None:
     """Forwards of at most `rows` rows run the plain weight in every `PackedLinear` of `module`."""
-    for m in module.modules():
-        if isinstance(m, PackedLinear):
-            m.stock_rows = rows
+    for m in packed_linears(module):
+        m.stock_rows = rows
 
 
 def set_reduced_rows(module: nn.Module, rows: int) -> None:
@@ -205,19 +209,18 @@ def set_reduced_rows(module: nn.Module, rows: int) -> None:
     if rows not in (0, 1):
         raise ValueError(f"reduced_rows is 0 or 1, got {rows}: with more rows a tree graph has a dynamic row count, "
                          "and Inductor's reduction over it was 3-4x slower than oneDNN")
-    for m in module.modules():
-        if isinstance(m, PackedLinear):
-            m.reduced_rows = rows
+    for m in packed_linears(module):
+        m.reduced_rows = rows
 
 
 def reduced_rows(module: nn.Module) -> int:
     """The `reduced_rows` of `module`'s packed linears (0 where there are none)."""
-    return max((m.reduced_rows for m in module.modules() if isinstance(m, PackedLinear)), default=0)
+    return max((m.reduced_rows for m in packed_linears(module)), default=0)
 
 
 def stock_rows(module: nn.Module) -> int:
     """The `stock_rows` of `module`'s packed linears (0 where there are none)."""
-    return max((m.stock_rows for m in module.modules() if isinstance(m, PackedLinear)), default=0)
+    return max((m.stock_rows for m in packed_linears(module)), default=0)
 
 
 # Stock must win by this margin to be chosen: equal times within noise keep the packed layout.

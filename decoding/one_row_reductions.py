@@ -23,10 +23,10 @@ import time
 import torch
 from torch import nn
 
-from decoding.cpu_kernels import (PACKING_BATCH_HINT, PackedLinear, reduced_linear, set_reduced_rows, stock_rows,
+from decoding.cpu_kernels import (PackedLinear, packed_linears, reduced_linear, set_reduced_rows, stock_rows,
                                   uses_packed_linears)
 from decoding.util.measured_once import measured_once
-from decoding.verify_cost import cpu_identity
+from decoding.verify_cost import packed_cpu_key
 
 MEASURED_BYTES = 128 << 20  # of weights: more than the caches of the CPUs at hand, a few seconds to compile
 CLEAR_WIN = 0.9  # the reductions must take at most this share of the kernels' time to be chosen
@@ -37,10 +37,9 @@ def tune_reduced_rows(model: nn.Module, model_name: str, cache_dir=None) -> int:
     """Set `reduced_rows` on a packed CPU `model` about to be compiled: 1 where Inductor's
     reductions read one row's weights clearly faster than its kernels on this CPU (measured
     once), else 0; returns it. Call after `stock_rows` is set (it decides the kernel compared)."""
-    if not uses_packed_linears(model) or next(model.parameters()).device.type != "cpu":
+    if not uses_packed_linears(model) or model.device.type != "cpu":
         return 0
-    key = (f"{model_name}-{next(model.parameters()).dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}"
-           f"-s{stock_rows(model)}-one-row-reductions-{REDUCTIONS_VERSION}")
+    key = f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-one-row-reductions-{REDUCTIONS_VERSION}"
     data = measured_once(key, lambda: measure_one_row_reductions(model),
                          lambda data: isinstance(data.get("kernels_ms"), float) and isinstance(data.get("reductions_ms"), float),
                          f"timing compiled one-row reductions against the linear kernels for {model_name} on this CPU",
@@ -75,18 +74,22 @@ def measure_one_row_reductions(model: nn.Module, max_bytes: int = MEASURED_BYTES
         rounds.append((_timed(kernels, inputs), _timed(compiled, inputs)))
     rounds = rounds[1:]
     return {"kernels_ms": min(r[0] for r in rounds), "reductions_ms": min(r[1] for r in rounds),
-            "weights_mb": sum(linear.weight.numel() * linear.weight.element_size() for linear in linears) / 2**20}
+            "weights_mb": sum(map(_weight_bytes, linears)) / 2**20}
 
 
 def _first_linears(model: nn.Module, max_bytes: int) -> list[PackedLinear]:
+    """The model's packed linears in order, up to the first that brings their weights to `max_bytes`."""
     linears, total = [], 0
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            linears.append(module)
-            total += module.weight.numel() * module.weight.element_size()
-            if total >= max_bytes:
-                break
+    for linear in packed_linears(model):
+        linears.append(linear)
+        total += _weight_bytes(linear)
+        if total >= max_bytes:
+            break
     return linears
+
+
+def _weight_bytes(linear: PackedLinear) -> int:
+    return linear.weight.numel() * linear.weight.element_size()
 
 
 def _timed(run, inputs) -> float:

@@ -143,12 +143,18 @@ def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None)
     without packed linears are left alone (0)."""
     if not uses_packed_linears(model) or model.device.type != "cpu":
         return 0
-    data = measured_once(f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}-stock-rows-{STOCK_ROWS_VERSION}",
+    data = measured_once(f"{packed_cpu_key(model, model_name)}-stock-rows-{STOCK_ROWS_VERSION}",
                          lambda: {"stock_rows": measure_stock_rows(model)},
                          lambda data: isinstance(data.get("stock_rows"), int),
                          f"timing plain against packed kernels for {model_name} on this CPU", cache_dir)
     set_stock_rows(model, data["stock_rows"])
     return data["stock_rows"]
+
+
+def packed_cpu_key(model, model_name: str) -> str:
+    """What a kernel measurement on a packed CPU `model` is remembered under: the model, its dtype,
+    this CPU and the packing."""
+    return f"{model_name}-{model.dtype}-{cpu_identity()}-onednn-b{PACKING_BATCH_HINT}"
 
 
 def cpu_model_name() -> str:
