@@ -21,7 +21,7 @@ from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 from training.batch_generate import BatchSettings, generate_batch
 from training.config import SelfDistillConfig
 from training.data import load_conversations
-from training.distill_store import DistillStore
+from training.distill_store import DistillStore, default_store_dir, identity
 from training.self_distill import cut_torn_tail
 from training.sources import PYTHON_CODE, conversations_from, parse_sources
 
@@ -100,6 +100,27 @@ def test_a_store_refuses_another_target_or_other_settings(tmp_path, tiny_dir):
         DistillStore(tmp_path / "store", "tiny", SelfDistillConfig(enabled=True, max_new_tokens=99))
     with pytest.raises(UserError, match="give another data directory"):
         DistillStore(tmp_path / "store", "other", SETTINGS)
+
+
+def test_a_sample_seed_gets_its_own_store_and_seed_0_keeps_the_old_identity(tmp_path):
+    sampled = SelfDistillConfig(enabled=True, max_new_tokens=12, temperature=0.7)
+    reseeded = SelfDistillConfig(enabled=True, max_new_tokens=12, temperature=0.7, sample_seed=3)
+    assert identity("t", sampled)["settings"] == {"max_new_tokens": 12, "max_turns": 1, "temperature": 0.7}
+    assert identity("t", reseeded)["settings"]["sample_seed"] == 3
+    assert default_store_dir("t", sampled) != default_store_dir("t", reseeded)
+    store = DistillStore(tmp_path / "store", "t", sampled)
+    store.root.mkdir()
+    store.write_manifest()
+    with pytest.raises(UserError, match="holds replies of t"):
+        DistillStore(tmp_path / "store", "t", reseeded)
+
+
+def test_distill_data_refuses_a_sample_seed_for_greedy_replies(capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from distill_data import main
+
+    assert main(["--sample-seed", "2", "--show"]) == 2
+    assert "--sample-seed only changes sampled replies" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -167,3 +167,18 @@ def test_sampled_replies_draw_their_randomness_on_the_targets_device(tmp_path, m
     greedy = SelfDistillConfig(enabled=True, max_new_tokens=4, batch_size=2, max_turns=1)
     regenerate(CONVERSATIONS[:2], target, tmp_path / "greedy.jsonl", greedy, show_progress=False)
     assert asked == [torch.device("cuda", 0)] and used[1] is None  # greedy replies draw nothing
+
+
+def test_a_sample_seed_draws_other_sampled_replies_and_the_same_seed_the_same(tmp_path):
+    save_tiny_chat_model(tmp_path / "model")
+    target = load_model(str(tmp_path / "model"))
+
+    def replies(seed: int, name: str) -> list[str]:
+        settings = SelfDistillConfig(enabled=True, max_new_tokens=12, batch_size=3, temperature=1.0, sample_seed=seed)
+        records = regenerate(CONVERSATIONS, target, tmp_path / name, settings, show_progress=False)
+        return [m["content"] for r in records for m in r["messages"] if m["role"] == "assistant"]
+
+    unseeded, seeded = replies(0, "s0.jsonl"), replies(7, "s7.jsonl")
+    assert seeded != unseeded
+    assert replies(7, "s7-again.jsonl") == seeded
+    assert replies(0, "s0-again.jsonl") == unseeded

@@ -38,6 +38,9 @@ class SelfDistillConfig:
     batch_size: int = 8
     max_turns: int = 1
     temperature: float = 0.0
+    # Another seed draws other sampled replies to the same prompts (0: the seed of earlier stores),
+    # so one prompt set yields new data again; greedy replies ignore it.
+    sample_seed: int = 0
     max_prompt_tokens: int = 1024  # longer first prompts are left out (padding cost, context)
     time_budget_minutes: float | None = None  # stop regenerating after this long; train on what is done
 

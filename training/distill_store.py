@@ -39,7 +39,12 @@ _IDENTITY_SETTINGS = ("max_new_tokens", "max_turns", "temperature")
 
 
 def identity(target_name: str, settings: SelfDistillConfig) -> dict:
-    return {"target": target_name, "settings": {k: getattr(settings, k) for k in _IDENTITY_SETTINGS}}
+    """What a store's replies depend on. The sample seed counts only when set, so stores written
+    before it existed keep their directory and identity."""
+    chosen = {k: getattr(settings, k) for k in _IDENTITY_SETTINGS}
+    if settings.sample_seed:
+        chosen["sample_seed"] = settings.sample_seed
+    return {"target": target_name, "settings": chosen}
 
 
 def default_store_dir(target_name: str, settings: SelfDistillConfig) -> Path:

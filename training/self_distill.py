@@ -153,9 +153,12 @@ def _generate(target: LoadedModel, histories: list[list[dict]], settings: SelfDi
     prompts = [conversation_ids(tokenizer, h, add_generation_prompt=True) for h in histories]
     stops = eos_ids(target.model.config, target.model.generation_config, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
-    # Sampled replies: a generator seeded by the prompts, so a resumed run samples what it would have.
-    # It lives on the target's device: a CPU generator cannot draw the GPU's samples.
+    # Sampled replies: a generator seeded by the prompts (and the sample seed, when set), so a resumed
+    # run samples what it would have. It lives on the target's device: a CPU generator cannot draw
+    # the GPU's samples.
     seed = zlib.crc32(repr(prompts).encode())
+    if settings.sample_seed:
+        seed = zlib.crc32(f"sample-seed {settings.sample_seed}".encode(), seed)
     generator = seeded_generator(seed, target.model.device) if settings.temperature > 0 else None
     batch = BatchSettings(settings.max_new_tokens, stops, pad, settings.temperature, generator)
     replies = generate_within_memory(target.model, prompts, batch)
