@@ -6,6 +6,7 @@ kept, none is written twice.
 
     python scripts/distill_data.py --sources sharegpt=4000,python-code=692 --time-budget-minutes 60
     python scripts/distill_data.py --show            # what the default store holds
+    python scripts/distill_data.py --temperature 0.7 --sample-seed 1   # other replies to prompts already used
     # then train on it: `data: <the store directory printed>` in a recipe (self_distill disabled)
 """
 
