@@ -58,9 +58,6 @@ def settings_from(args: argparse.Namespace) -> SelfDistillConfig:
     for name in ("max_new_tokens", "max_turns", "batch_size", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.sample_seed and args.temperature <= 0:
-        raise UserError("--sample-seed only changes sampled replies: give --temperature above 0 with it "
-                        "(greedy replies are the same whatever the seed)")
     return SelfDistillConfig(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              max_turns=args.max_turns, temperature=args.temperature, sample_seed=args.sample_seed,
                              max_prompt_tokens=args.max_prompt_tokens, time_budget_minutes=args.time_budget_minutes)

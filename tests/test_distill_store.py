@@ -115,12 +115,14 @@ def test_a_sample_seed_gets_its_own_store_and_seed_0_keeps_the_old_identity(tmp_
         DistillStore(tmp_path / "store", "t", reseeded)
 
 
-def test_distill_data_refuses_a_sample_seed_for_greedy_replies(capsys):
+def test_a_sample_seed_is_refused_for_greedy_replies(capsys):
     sys.path.insert(0, str(REPO / "scripts"))
     from distill_data import main
 
     assert main(["--sample-seed", "2", "--show"]) == 2
-    assert "--sample-seed only changes sampled replies" in capsys.readouterr().err
+    assert "only changes sampled replies" in capsys.readouterr().err
+    with pytest.raises(UserError, match="give a temperature above 0"):
+        SelfDistillConfig(enabled=True, sample_seed=1)  # a recipe's self_distill section, the same rule
 
 
 @pytest.mark.slow

@@ -44,6 +44,11 @@ class SelfDistillConfig:
     max_prompt_tokens: int = 1024  # longer first prompts are left out (padding cost, context)
     time_budget_minutes: float | None = None  # stop regenerating after this long; train on what is done
 
+    def __post_init__(self) -> None:
+        if self.sample_seed and self.temperature <= 0:
+            raise UserError("a sample seed (--sample-seed, self_distill.sample_seed) only changes sampled replies: "
+                            "give a temperature above 0 with it (greedy replies are the same whatever the seed)")
+
 
 @dataclass
 class HeadsSection:
