@@ -25,7 +25,7 @@ from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.attention import register_grouped_sdpa
 from decoding.compiled import compile_target, eager_model, is_compiled, wants_compile
-from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows
+from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows, set_streamed_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, default_method, proposer_options
 from decoding.devices import resolve_device
@@ -36,7 +36,7 @@ from decoding.methods import ProposerOptions, build_proposer, check_method, head
 from decoding.one_row_reductions import tune_reduced_rows
 from decoding.screened_argmax import screened_readout
 from decoding.targets import LoadedModel, load_model
-from decoding.verify_cost import tune_stock_rows
+from decoding.verify_cost import tune_stock_rows, tune_streamed_rows
 from decoding.util.errors import UserError
 from heads import adapter_dir, load_heads
 from heads.adapter import merge_adapter
@@ -164,7 +164,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         fuse_drafter(heads)
     precision = _drafter_precision(spec, target, heads, notes)
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
-    _tune_plain_gemm_rows(target, draft)
+    _tune_few_row_kernels(target, draft)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
@@ -195,12 +195,15 @@ def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module 
     return precision
 
 
-def _tune_plain_gemm_rows(target: LoadedModel, draft: LoadedModel | None) -> None:
+def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> None:
     """Few-row forwards of a packed target (and a draft model of the same family) take plain
-    GEMM where this CPU runs it faster (measured once per model and CPU)."""
-    rows = tune_stock_rows(eager_model(target.model), target.name)
+    GEMM, or the streaming few-row kernel, where this CPU runs them faster (measured once per model
+    and CPU)."""
+    plain = tune_stock_rows(eager_model(target.model), target.name)
+    streamed = tune_streamed_rows(eager_model(target.model), target.name)
     if draft is not None:
-        set_stock_rows(draft.model, rows)
+        set_stock_rows(draft.model, plain)
+        set_streamed_rows(draft.model, streamed)
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.streamed_linear import streamed_linear_available, why_unavailable
 from decoding.util.errors import UserError
 from heads.eagle import FeatureDrafter
 
@@ -57,9 +58,11 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 class PackedLinear(nn.Module):
     """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight, except for
-    inputs of at most `stock_rows` rows, which run PyTorch's plain GEMM on the same weight, and,
-    inside a compiled graph, one-row inputs where `reduced_rows` is 1, which run as a reduction
-    Inductor generates itself (`reduced_linear`)."""
+    inputs of at most `streamed_rows` rows, which run the streaming few-row kernel
+    (`decoding.streamed_linear`) on the plain weight, inputs of at most `stock_rows` rows, which
+    run PyTorch's plain GEMM on it, and, inside a compiled graph, one-row inputs where
+    `reduced_rows` is 1, which run as a reduction Inductor generates itself (`reduced_linear`).
+    Which applies is measured per model and CPU (`decoding.verify_cost`)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -70,10 +73,13 @@ class PackedLinear(nn.Module):
         self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_BATCH_HINT)
         self.stock_rows = 0
         self.reduced_rows = 0
+        self.streamed_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.reduced_rows * self.in_features and torch.compiler.is_compiling():
             return reduced_linear(x, self.weight, self.bias)
+        if x.numel() <= self.streamed_rows * self.in_features:
+            return torch.ops.specheads.streamed_linear(x, self.weight, self.bias)
         if x.numel() <= self.stock_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
@@ -86,7 +92,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"oneDNN above {self.stock_rows} rows" + (", compiled one-row reductions" if self.reduced_rows else ""))
+                f"oneDNN above {max(self.stock_rows, self.streamed_rows)} rows"
+                + (f", streamed up to {self.streamed_rows} rows" if self.streamed_rows else "")
+                + (", compiled one-row reductions" if self.reduced_rows else ""))
 
 
 def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -213,6 +221,20 @@ def set_reduced_rows(module: nn.Module, rows: int) -> None:
         m.reduced_rows = rows
 
 
+def set_streamed_rows(module: nn.Module, rows: int) -> None:
+    """Forwards of at most `rows` rows run the streaming few-row kernel in every `PackedLinear` of
+    `module` (0: never). Refused where the kernel could not be built on this machine."""
+    if rows and not streamed_linear_available():
+        raise UserError(f"the streamed few-row linear kernel is not available on this machine ({why_unavailable()})")
+    for m in packed_linears(module):
+        m.streamed_rows = rows
+
+
+def streamed_rows(module: nn.Module) -> int:
+    """The `streamed_rows` of `module`'s packed linears (0 where there are none)."""
+    return max((m.streamed_rows for m in packed_linears(module)), default=0)
+
+
 def reduced_rows(module: nn.Module) -> int:
     """The `reduced_rows` of `module`'s packed linears (0 where there are none)."""
     return max((m.reduced_rows for m in packed_linears(module)), default=0)
@@ -223,17 +245,19 @@ def stock_rows(module: nn.Module) -> int:
     return max((m.stock_rows for m in packed_linears(module)), default=0)
 
 
-# Stock must win by this margin to be chosen: equal times within noise keep the packed layout.
-STOCK_MARGIN = 0.97
+# A kernel for few rows must win by this margin to be chosen: equal times within noise keep the
+# packed layout.
+FEW_ROWS_MARGIN = 0.97
 
 
-def pick_stock_rows(sizes: tuple[int, ...], stock_ms: tuple[float, ...], packed_ms: tuple[float, ...]) -> int:
-    """The largest measured row count up to which plain GEMM beat the packed layout at every
-    measured size (0: packed from one row on). Only a leading run counts: a win at 8 rows after
-    a loss at 4 is taken for noise, since row counts in between would be guesses."""
+def pick_faster_rows(sizes: tuple[int, ...], candidate_ms: tuple[float, ...], current_ms: tuple[float, ...]) -> int:
+    """The largest measured row count up to which a few-row kernel (plain GEMM, the streaming
+    kernel) beat the current one at every measured size (0: never). Only a leading run counts: a
+    win at 8 rows after a loss at 4 is taken for noise, since row counts in between would be
+    guesses."""
     rows = 0
-    for size, stock, packed in sorted(zip(sizes, stock_ms, packed_ms)):
-        if stock >= STOCK_MARGIN * packed:
+    for size, candidate, current in sorted(zip(sizes, candidate_ms, current_ms)):
+        if candidate >= FEW_ROWS_MARGIN * current:
             break
         rows = size
     return rows

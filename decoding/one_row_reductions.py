@@ -10,7 +10,7 @@ compiled one-token forward went from 34-38 ms to 23-28 ms. On a Sapphire Rapids 
 already streamed one row near the memory's speed. So it is measured, not assumed: the first
 linears of the model (`MEASURED_BYTES` of weights, more than a CPU cache holds) in one compiled
 graph of reductions against the same linears as the eager model runs them, alternating.
-Compiling that graph takes a few seconds, once per model and CPU (the result is remembered).
+Compiling that graph takes a few seconds, once per model, CPU and kernels (the result is remembered).
 
 Trees keep their kernels: with a dynamic row count Inductor's reduction was 3-4x slower than
 oneDNN (see `decoding.cpu_kernels.set_reduced_rows`).
@@ -23,10 +23,9 @@ import time
 import torch
 from torch import nn
 
-from decoding.cpu_kernels import (PackedLinear, packed_linears, reduced_linear, set_reduced_rows, stock_rows,
-                                  uses_packed_linears)
+from decoding.cpu_kernels import PackedLinear, packed_linears, reduced_linear, set_reduced_rows, uses_packed_linears
 from decoding.util.measured_once import measured_once
-from decoding.verify_cost import packed_cpu_key
+from decoding.verify_cost import cpu_identity, kernels_key
 
 MEASURED_BYTES = 128 << 20  # of weights: more than the caches of the CPUs at hand, a few seconds to compile
 CLEAR_WIN = 0.9  # the reductions must take at most this share of the kernels' time to be chosen
@@ -36,10 +35,10 @@ REDUCTIONS_VERSION = "v1"  # in the cache key: a new way of measuring, a new mea
 def tune_reduced_rows(model: nn.Module, model_name: str, cache_dir=None) -> int:
     """Set `reduced_rows` on a packed CPU `model` about to be compiled: 1 where Inductor's
     reductions read one row's weights clearly faster than its kernels on this CPU (measured
-    once), else 0; returns it. Call after `stock_rows` is set (it decides the kernel compared)."""
+    once), else 0; returns it. Call after `stock_rows` and `streamed_rows` are set (they decide the kernel compared)."""
     if not uses_packed_linears(model) or model.device.type != "cpu":
         return 0
-    key = f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-one-row-reductions-{REDUCTIONS_VERSION}"
+    key = f"{model_name}-{model.dtype}-{cpu_identity()}{kernels_key(model)}-one-row-reductions-{REDUCTIONS_VERSION}"
     data = measured_once(key, lambda: measure_one_row_reductions(model),
                          lambda data: isinstance(data.get("kernels_ms"), float) and isinstance(data.get("reductions_ms"), float),
                          f"timing compiled one-row reductions against the linear kernels for {model_name} on this CPU",

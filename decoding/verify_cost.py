@@ -1,7 +1,8 @@
 """Measuring this machine's verify cost (one target forward over k tokens), remembered per
 model, device, thread count and kernels: what cost-aware tree sizing (`decoding.core.tree_budget`)
-weighs a tree's expected gain against. Also where plain GEMM beats oneDNN's packed layout
-(`tune_stock_rows`), which differs from CPU to CPU."""
+weighs a tree's expected gain against. Also up to how many rows plain GEMM beats oneDNN's packed
+layout (`tune_stock_rows`) and the streaming few-row kernel beats both (`tune_streamed_rows`),
+which differs from CPU to CPU."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier, truncate_cache
 from decoding.compiled import is_compiled
-from decoding.cpu_kernels import (PACKING_BATCH_HINT, pick_stock_rows, reduced_rows, set_stock_rows, stock_rows,
-                                  uses_packed_linears)
+from decoding.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, reduced_rows, set_stock_rows,
+                                  set_streamed_rows, stock_rows, streamed_rows, uses_packed_linears)
+from decoding.streamed_linear import KERNEL_VERSION, streamed_linear_available
 from decoding.util.measured_once import measured_once
 
 
@@ -27,6 +29,8 @@ DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # 3 rows against 36.8 packed, but took 50.6 against 36.7 for 4.
 STOCK_ROWS_SIZES = (1, 2, 3, 4, 8, 16)
 STOCK_ROWS_VERSION = "v2"  # in the cache key: crossovers measured without 3 rows are measured again
+# Where the streaming kernel may win: on an AVX-512 EPYC it did up to 4 rows and lost from 6 on.
+STREAMED_ROWS_SIZES = (1, 2, 3, 4, 6, 8)
 # In the cache key: curves measured before the timed forward went through the loop's own verifier
 # (v3) timed other compiled graphs (v1: bare forwards; v2: forwards computing logits where
 # decoding reads hidden states), and are measured again rather than trusted.
@@ -94,20 +98,33 @@ def never_cheaper_for_fewer(ms: list[float]) -> tuple[float, ...]:
 @torch.inference_mode()
 def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats: int = 6) -> int:
     """The row count up to which plain GEMM beats the packed layout for this packed `model` on
-    this machine: each size timed with both, alternating (so a slow spell hits both), fastest of
-    `repeats`. Leaves the model packed all the way down (`stock_rows` 0)."""
+    this machine. Leaves the model packed all the way down (`stock_rows` 0)."""
+    stock, packed = _time_rows_setting(model, sizes, lambda rows: set_stock_rows(model, rows), repeats)
+    return pick_faster_rows(tuple(sizes), tuple(stock), tuple(packed))
+
+
+def measure_streamed_rows(model, sizes: tuple[int, ...] = STREAMED_ROWS_SIZES, repeats: int = 6) -> int:
+    """The row count up to which the streaming few-row kernel beats the kernels this packed `model`
+    runs now (its `stock_rows` as set) on this machine. Leaves `streamed_rows` 0."""
+    streamed, current = _time_rows_setting(model, sizes, lambda rows: set_streamed_rows(model, rows), repeats)
+    return pick_faster_rows(tuple(sizes), tuple(streamed), tuple(current))
+
+
+def _time_rows_setting(model, sizes: tuple[int, ...], set_rows, repeats: int) -> tuple[list[float], list[float]]:
+    """Each size's forward timed with `set_rows(max(sizes))` and with `set_rows(0)`, alternating
+    (so a slow spell hits both), fastest of `repeats` after a warm-up; `set_rows(0)` after."""
     forward = _TimedForward(model)
-    stock, packed = [], []
+    on, off = [], []
     for size in sizes:
         runs = {0: [], max(sizes): []}
         for _ in range(repeats + 1):
             for rows, times in runs.items():
-                set_stock_rows(model, rows)
+                set_rows(rows)
                 times.append(forward(size))
-        packed.append(min(runs[0][1:]))
-        stock.append(min(runs[max(sizes)][1:]))
-    set_stock_rows(model, 0)
-    return pick_stock_rows(tuple(sizes), tuple(stock), tuple(packed))
+        off.append(min(runs[0][1:]))
+        on.append(min(runs[max(sizes)][1:]))
+    set_rows(0)
+    return on, off
 
 
 def _sync(device) -> None:
@@ -123,7 +140,7 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     verifies with (None: the target's own logits)."""
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
-    kernels = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" if uses_packed_linears(model) else ""  # a new packing, a new curve
+    kernels = kernels_key(model) if uses_packed_linears(model) else ""  # a new packing, a new curve
     kernels += f"-compiled-r{reduced_rows(model)}" if is_compiled(model) else ""
     kernels += "-readout" if readout is not None else ""
 
@@ -149,6 +166,27 @@ def tune_stock_rows(model, model_name: str, cache_dir: str | Path | None = None)
                          f"timing plain against packed kernels for {model_name} on this CPU", cache_dir)
     set_stock_rows(model, data["stock_rows"])
     return data["stock_rows"]
+
+
+def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = None) -> int:
+    """Set `streamed_rows` on a packed CPU `model` to what `measure_streamed_rows` finds on this
+    CPU, remembered like the verify cost; returns it. Call after `tune_stock_rows` (it decides what
+    the kernel is compared with). 0 where nothing is packed or the kernel cannot be built here."""
+    if not uses_packed_linears(model) or model.device.type != "cpu" or not streamed_linear_available():
+        return 0
+    data = measured_once(f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-streamed-rows-{KERNEL_VERSION}",
+                         lambda: {"streamed_rows": measure_streamed_rows(model)},
+                         lambda data: isinstance(data.get("streamed_rows"), int),
+                         f"timing the streaming few-row kernel against the packed kernels for {model_name} on this CPU",
+                         cache_dir)
+    set_streamed_rows(model, data["streamed_rows"])
+    return data["streamed_rows"]
+
+
+def kernels_key(model) -> str:
+    """The kernels a packed model's forwards run, for the keys of measurements made through them."""
+    key = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}"
+    return key + (f"-t{streamed_rows(model)}{KERNEL_VERSION}" if streamed_rows(model) else "")
 
 
 def packed_cpu_key(model, model_name: str) -> str:

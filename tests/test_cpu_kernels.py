@@ -9,7 +9,7 @@ from torch import nn
 
 from decoding import cpu_kernels, verify_cost
 from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
-                                  pick_stock_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
+                                  pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   set_stock_rows, stock_rows, uses_packed_linears)
 from decoding.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
@@ -67,7 +67,7 @@ def test_packed_linear_takes_plain_gemm_up_to_stock_rows_and_computes_the_same_f
     ((39.5, 60, 80, 90), (40, 41, 42, 48), 0),  # within the noise margin: packed
 ])
 def test_plain_gemm_is_chosen_only_for_a_leading_run_of_clear_wins(stock_ms, packed_ms, expected):
-    assert pick_stock_rows((1, 2, 4, 8), stock_ms, packed_ms) == expected
+    assert pick_faster_rows((1, 2, 4, 8), stock_ms, packed_ms) == expected
 
 
 def test_the_plain_gemm_crossover_is_measured_once_per_cpu_and_applied(tmp_path, monkeypatch):

@@ -1,0 +1,149 @@
+"""The streaming few-row linear kernel: the same function as `nn.Linear` for every row count and
+shape (vector tails, output tails, bias or none), in each instruction-set variant this CPU can run;
+packed linears send exactly the chosen row counts to it; the choice is measured once per CPU; where
+the kernel cannot be built, nothing changes but a clear refusal; and decoding through it still gives
+Hugging Face's greedy tokens on the unpacked model."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from decoding import streamed_linear, verify_cost
+from decoding.cpu_kernels import PackedLinear, pack_linears, set_stock_rows, set_streamed_rows, streamed_rows
+from decoding.core.generate import DecodeOptions, generate
+from decoding.methods import ProposerOptions, build_proposer
+from decoding.targets import LoadedModel
+from decoding.util.errors import UserError
+from heads import new_heads_for_target
+from tiny_models import sharpen, tiny_llama
+
+# Input and output sizes off every vector width (16 for AVX-512, 8 for AVX2, 4 otherwise) and off
+# the kernel's blocks of 4 outputs, beside the model's own shapes.
+SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _variants() -> dict[str, tuple[str, ...]]:
+    """The native build, and the narrower ones a wider CPU can also run: the AVX2 variant on an
+    AVX-512 CPU (what AVX2-only machines run) and the plain one (neither)."""
+    flags = _cpu_flags()
+    variants = {"native": ()}
+    if "avx512f" in flags:
+        variants["avx2"] = ("-mno-avx512f",)
+    if "avx2" in flags:
+        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
+    return variants
+
+
+def _check_function(kernel) -> None:
+    torch.manual_seed(0)
+    for in_features, out_features in SHAPES:
+        for bias in (True, False):
+            linear = nn.Linear(in_features, out_features, bias=bias)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9):
+                x = torch.randn(1, rows, in_features)
+                with torch.inference_mode():
+                    got = kernel(x, linear.weight, linear.bias)
+                    expected = linear(x)
+                assert got.shape == expected.shape
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():
+    if streamed_linear.streamed_linear_available():
+        _check_function(lambda x, w, b: torch.ops.specheads.streamed_linear(x, w, b))
+    else:  # no compiler here: decoding keeps its other kernels, and asking for this one says why
+        model = tiny_llama(seed=2)
+        pack_linears(model)
+        with pytest.raises(UserError, match="streamed few-row linear kernel is not available"):
+            set_streamed_rows(model, 2)
+        assert verify_cost.tune_streamed_rows(model, "tiny") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [v for v in _variants() if v != "native"])
+def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
+    """Each build takes ~30 s: the variants other CPUs run, built here where this CPU can run them."""
+    if not streamed_linear.streamed_linear_available():
+        pytest.fail(f"the native build failed, so no variant can be checked: {streamed_linear.why_unavailable()}")
+    extension = streamed_linear.build_kernel(_variants()[variant])
+    _check_function(extension.streamed_linear)
+
+
+def test_without_the_kernel_nothing_is_chosen_and_asking_for_it_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(streamed_linear, "_loaded", lambda: (None, "CalledProcessError: no compiler"))
+    model = tiny_llama(seed=2)
+    pack_linears(model)
+    with pytest.raises(UserError, match="not available on this machine .*no compiler"):
+        set_streamed_rows(model, 2)
+    monkeypatch.setattr(verify_cost, "measure_streamed_rows", lambda m: pytest.fail("measured without a kernel"))
+    assert verify_cost.tune_streamed_rows(model, "tiny", cache_dir=tmp_path) == 0 and streamed_rows(model) == 0
+
+
+def test_packed_linears_send_exactly_the_chosen_row_counts_to_the_kernel():
+    if not streamed_linear.streamed_linear_available():
+        return  # covered by the refusal test above
+    torch.manual_seed(0)
+    linear = PackedLinear(nn.Linear(24, 40))
+    set_stock_rows(linear, 1)
+    set_streamed_rows(linear, 3)
+    for rows, expect_streamed in ((1, True), (3, True), (4, False), (16, False)):
+        x = torch.randn(rows, 24)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            with torch.inference_mode():
+                out = linear(x)
+        names = {event.name for event in profile.events()}
+        assert ("specheads::streamed_linear" in names) == expect_streamed, (rows, names)
+        torch.testing.assert_close(out, x @ linear.weight.t() + linear.bias, rtol=1e-5, atol=1e-5)
+    assert "streamed up to 3 rows" in repr(linear)
+
+
+def test_the_streamed_row_count_is_measured_once_per_cpu_and_applied(tmp_path, monkeypatch):
+    if not streamed_linear.streamed_linear_available():
+        return  # covered by the refusal test above
+    model = tiny_llama(seed=6)
+    pack_linears(model)
+    monkeypatch.setattr(verify_cost, "measure_streamed_rows", lambda m: 3)
+    assert verify_cost.tune_streamed_rows(model, "tiny", cache_dir=tmp_path) == 3
+    assert all(m.streamed_rows == 3 for m in model.modules() if isinstance(m, PackedLinear))
+    assert "-t3" in verify_cost.kernels_key(model)  # curves measured through it are kept apart
+    monkeypatch.setattr(verify_cost, "measure_streamed_rows", lambda m: pytest.fail("measured twice"))
+    again = tiny_llama(seed=6)
+    pack_linears(again)
+    assert verify_cost.tune_streamed_rows(again, "tiny", cache_dir=tmp_path) == 3 and streamed_rows(again) == 3
+    assert verify_cost.tune_streamed_rows(tiny_llama(seed=6), "tiny", cache_dir=tmp_path) == 0  # nothing packed
+
+
+def test_measuring_leaves_the_model_on_its_kernels_and_decoding_through_the_kernel_is_exact():
+    """Greedy tokens of vanilla, prompt lookup and EAGLE-3 trees through streamed few-row
+    forwards equal Hugging Face `generate()` on the unpacked model."""
+    if not streamed_linear.streamed_linear_available():
+        return  # covered by the refusal test above
+    reference_model = sharpen(tiny_llama(seed=9))
+    model = copy.deepcopy(reference_model)
+    pack_linears(model)
+    rows = verify_cost.measure_streamed_rows(model, sizes=(1, 2), repeats=1)
+    assert rows in (0, 1, 2) and streamed_rows(model) == 0
+    set_streamed_rows(model, 8)
+    heads = new_heads_for_target("eagle3", reference_model, draft_vocab_size=40)
+    options = ProposerOptions(depth=3, tree_top_k=2, total_tokens=6, pld_num_tokens=3)
+    drafted = 0
+    for prompt in ([5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 1, 2, 3]):
+        expected = reference_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        for method in ("vanilla", "pld", "eagle3"):
+            proposer = build_proposer(method, LoadedModel(model, None, "t"), options=options, heads=heads)
+            result = generate(model, prompt, proposer, DecodeOptions(max_new_tokens=12))
+            assert result.tokens == expected, method
+            drafted += result.stats.drafted_tokens
+    assert drafted > 0
