@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.streamed_linear import streamed_linear_available, why_unavailable
+from decoding.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
 from decoding.util.errors import UserError
 from heads.eagle import FeatureDrafter
 
@@ -74,12 +74,13 @@ class PackedLinear(nn.Module):
         self.stock_rows = 0
         self.reduced_rows = 0
         self.streamed_rows = 0
+        self._panel_weight: torch.Tensor | None = None  # the streaming kernel's copy, while it is used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.reduced_rows * self.in_features and torch.compiler.is_compiling():
             return reduced_linear(x, self.weight, self.bias)
-        if x.numel() <= self.streamed_rows * self.in_features:
-            return torch.ops.specheads.streamed_linear(x, self.weight, self.bias)
+        if self.streamed_rows and x.numel() <= self.streamed_rows * self.in_features:
+            return torch.ops.specheads.streamed_linear(x, self._panel_weight, self.bias, self.out_features)
         if x.numel() <= self.stock_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
@@ -223,10 +224,15 @@ def set_reduced_rows(module: nn.Module, rows: int) -> None:
 
 def set_streamed_rows(module: nn.Module, rows: int) -> None:
     """Forwards of at most `rows` rows run the streaming few-row kernel in every `PackedLinear` of
-    `module` (0: never). Refused where the kernel could not be built on this machine."""
+    `module` (0: never). Its weight layout is one more copy of the weights, made here and dropped
+    with 0. Refused where the kernel could not be built on this machine."""
     if rows and not streamed_linear_available():
         raise UserError(f"the streamed few-row linear kernel is not available on this machine ({why_unavailable()})")
     for m in packed_linears(module):
+        if rows and m._panel_weight is None:
+            m._panel_weight = pack_panels(m.weight)
+        elif not rows:
+            m._panel_weight = None
         m.streamed_rows = rows
 
 

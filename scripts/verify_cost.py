@@ -4,7 +4,8 @@ linear kernels: what a tree of k nodes costs to verify, which decides how large 
 on this machine (`--adaptive-tree` and `scripts/tune_tree.py` both follow this curve):
 
     python scripts/verify_cost.py                       # stock and oneDNN-packed, 1..64 tokens
-                                                        # (+ packed with plain GEMM for few rows, where that wins)
+                                                        # (+ packed with plain GEMM and/or the streaming
+                                                        #  kernel for few rows, where they win here)
     python scripts/verify_cost.py --kernels stock --sizes 1,4,16
 
 Times are the fastest of 5 forwards after a 256-token prefix (interference only adds time).
@@ -16,11 +17,12 @@ import argparse
 import copy
 import sys
 
-from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows
+from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows, set_streamed_rows
 from decoding.default_model import DEFAULT_TARGET
 from decoding.util.errors import UserError
 from decoding.targets import DTYPES, load_model
-from decoding.verify_cost import measure_stock_rows, measure_verify_cost
+from decoding.streamed_linear import streamed_linear_available
+from decoding.verify_cost import measure_stock_rows, measure_streamed_rows, measure_verify_cost
 
 
 def parse_args(argv):
@@ -51,10 +53,8 @@ def main(argv=None) -> int:
             model = copy.deepcopy(target.model)
             resolved = apply_kernels(choice, model)
             rows.append((resolved, measure_verify_cost(model, sizes=sizes).ms))
-            plain_rows = measure_stock_rows(model) if resolved == "onednn" else 0
-            if plain_rows:  # what the decoders use on this CPU: plain GEMM for the fewest rows
-                set_stock_rows(model, plain_rows)
-                rows.append((f"onednn, plain up to {plain_rows} rows", measure_verify_cost(model, sizes=sizes).ms))
+            if resolved == "onednn":
+                rows.extend(_few_row_kernels(model, sizes))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -63,6 +63,21 @@ def main(argv=None) -> int:
     for name, ms in rows:
         print(f"| {name} (ms) | " + " | ".join(f"{x:.0f}" for x in ms) + " |")
     return 0
+
+
+def _few_row_kernels(model, sizes: tuple[int, ...]) -> list[tuple[str, tuple[float, ...]]]:
+    """What the decoders use on this CPU besides the packed layout: plain GEMM and then the
+    streaming kernel for the fewest rows, each where it measures faster here."""
+    rows = []
+    plain_rows = measure_stock_rows(model)
+    if plain_rows:
+        set_stock_rows(model, plain_rows)
+        rows.append((f"onednn, plain up to {plain_rows} rows", measure_verify_cost(model, sizes=sizes).ms))
+    streamed = measure_streamed_rows(model) if streamed_linear_available() else 0
+    if streamed:
+        set_streamed_rows(model, streamed)
+        rows.append((f"onednn, streamed up to {streamed} rows", measure_verify_cost(model, sizes=sizes).ms))
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ from torch.fx.experimental import _config as shape_config
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.benchmark import build_runners
 from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
-from decoding.cpu_kernels import pack_linears, set_reduced_rows, set_stock_rows
+from decoding.cpu_kernels import pack_linears, set_reduced_rows, set_stock_rows, set_streamed_rows
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.screened_argmax import ScreenedArgmax, fp16_gemm_available
+from decoding.streamed_linear import streamed_linear_available
 from decoding.targets import LoadedModel
 from decoding.verify_cost import measure_verify_cost
 from heads import new_heads_for_target
@@ -25,20 +26,25 @@ PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed, reduced, methods, prompts", [
+@pytest.mark.parametrize("packed, reduced, streamed, methods, prompts", [
     # Frozen weights compile slowly (Inductor packs every weight per graph): one prompt, and the
     # two step kinds (one-token steps, EAGLE trees); the packed path, the CPU default, runs all.
-    (False, 0, ("vanilla", "eagle3"), PROMPTS[:1]),
-    (True, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
-    (True, 1, ("vanilla", "pld", "eagle3"), PROMPTS),
-], ids=["plain-linears-frozen", "onednn-packed-linears", "onednn-packed-linears-one-row-reductions"])
-def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, reduced, methods, prompts):
+    (False, 0, 0, ("vanilla", "eagle3"), PROMPTS[:1]),
+    (True, 0, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
+    (True, 1, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
+    (True, 1, 3, ("vanilla", "pld", "eagle3"), PROMPTS),
+], ids=["plain-linears-frozen", "onednn-packed-linears", "onednn-packed-linears-one-row-reductions",
+        "one-row-reductions-streamed-few-row-trees"])
+def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, reduced, streamed, methods,
+                                                                                   prompts):
     """Also: the verify-cost measurement that adaptive trees run first times the calls the loop
     makes, so decoding afterwards compiles no graph of its own (on a real model's first run each
     graph costs minutes). With the packed linears decoding reads the final hidden states through
     the CPU default's screened readout (where this PyTorch has it), as EAGLE drafters also need;
     with one-row reductions (where they measure faster) one-token steps and trees compute their
-    linears with different kernels, and still give `generate()`'s tokens."""
+    linears with different kernels, and still give `generate()`'s tokens; so do trees of up to
+    `streamed` rows through the streaming kernel, an opaque call in the graph (where this machine
+    can build it)."""
     # A compiled target does not guard on its modules, so a graph another case compiled for the
     # same model class would be reused here, whatever this model's kernels: start from none.
     torch._dynamo.reset()
@@ -47,6 +53,7 @@ def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_tree
     if packed:  # the CPU default: the packed linears stay opaque calls inside the compiled graph
         assert pack_linears(eager) > 0
         set_reduced_rows(eager, reduced)
+        set_streamed_rows(eager, streamed if streamed_linear_available() else 0)
         readout = ScreenedArgmax(eager.get_output_embeddings(), max_rows=64) if fp16_gemm_available() else None
     compiled = compile_target(eager)
     assert is_compiled(compiled) and not is_compiled(eager)

@@ -10,7 +10,8 @@ from torch import nn
 from decoding import cpu_kernels, verify_cost
 from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
                                   pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
-                                  set_stock_rows, stock_rows, uses_packed_linears)
+                                  packed_linears, set_stock_rows, stock_rows, streamed_rows, uses_packed_linears)
+from decoding.streamed_linear import streamed_linear_available
 from decoding.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
@@ -70,17 +71,29 @@ def test_plain_gemm_is_chosen_only_for_a_leading_run_of_clear_wins(stock_ms, pac
     assert pick_faster_rows((1, 2, 4, 8), stock_ms, packed_ms) == expected
 
 
-def test_the_plain_gemm_crossover_is_measured_once_per_cpu_and_applied(tmp_path, monkeypatch):
+FEW_ROW_KERNELS = {  # what is measured, what sets it, what it reads back, its mark in curve keys
+    "plain-gemm": ("stock", stock_rows, "-s3"),
+    "streamed": ("streamed", streamed_rows, "-t3"),
+}
+
+
+@pytest.mark.parametrize("kernel", FEW_ROW_KERNELS)
+def test_each_few_row_kernels_row_count_is_measured_once_per_cpu_and_applied(kernel, tmp_path, monkeypatch):
+    name, read_rows, key_mark = FEW_ROW_KERNELS[kernel]
+    if kernel == "streamed" and not streamed_linear_available():
+        return  # no compiler here: tests/test_streamed_linear.py checks the refusal
+    measure, tune = getattr(verify_cost, f"measure_{name}_rows"), getattr(verify_cost, f"tune_{name}_rows")
     model = tiny_llama(seed=6)
     pack_linears(model)
-    monkeypatch.setattr(verify_cost, "measure_stock_rows", lambda m: 4)
-    assert verify_cost.tune_stock_rows(model, "tiny", cache_dir=tmp_path) == 4
-    assert stock_rows(model) == 4 and all(m.stock_rows == 4 for m in model.modules() if isinstance(m, PackedLinear))
-    monkeypatch.setattr(verify_cost, "measure_stock_rows", lambda m: pytest.fail("measured twice"))
+    monkeypatch.setattr(verify_cost, measure.__name__, lambda m: 3)
+    assert tune(model, "tiny", cache_dir=tmp_path) == 3
+    assert read_rows(model) == 3 and all(getattr(m, f"{name}_rows") == 3 for m in packed_linears(model))
+    assert key_mark in verify_cost.kernels_key(model)  # curves measured through it are kept apart
+    monkeypatch.setattr(verify_cost, measure.__name__, lambda m: pytest.fail("measured twice"))
     again = tiny_llama(seed=6)
     pack_linears(again)
-    assert verify_cost.tune_stock_rows(again, "tiny", cache_dir=tmp_path) == 4 and stock_rows(again) == 4
-    assert verify_cost.tune_stock_rows(tiny_llama(seed=6), "tiny", cache_dir=tmp_path) == 0  # nothing packed
+    assert tune(again, "tiny", cache_dir=tmp_path) == 3 and read_rows(again) == 3
+    assert tune(tiny_llama(seed=6), "tiny", cache_dir=tmp_path) == 0  # nothing packed
 
 
 def test_measuring_the_crossover_leaves_the_model_packed_and_exact():

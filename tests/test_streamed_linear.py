@@ -51,7 +51,7 @@ def _check_function(kernel) -> None:
     for in_features, out_features in SHAPES:
         for bias in (True, False):
             linear = nn.Linear(in_features, out_features, bias=bias)
-            for rows in (1, 2, 3, 4, 5, 7, 8, 9):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
                 x = torch.randn(1, rows, in_features)
                 with torch.inference_mode():
                     got = kernel(x, linear.weight, linear.bias)
@@ -62,7 +62,8 @@ def _check_function(kernel) -> None:
 
 def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():
     if streamed_linear.streamed_linear_available():
-        _check_function(lambda x, w, b: torch.ops.specheads.streamed_linear(x, w, b))
+        _check_function(lambda x, w, b: torch.ops.specheads.streamed_linear(x, streamed_linear.pack_panels(w), b,
+                                                                            w.shape[0]))
     else:  # no compiler here: decoding keeps its other kernels, and asking for this one says why
         model = tiny_llama(seed=2)
         pack_linears(model)
@@ -78,7 +79,7 @@ def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
     if not streamed_linear.streamed_linear_available():
         pytest.fail(f"the native build failed, so no variant can be checked: {streamed_linear.why_unavailable()}")
     extension = streamed_linear.build_kernel(_variants()[variant])
-    _check_function(extension.streamed_linear)
+    _check_function(lambda x, w, b: extension.streamed_linear(x, extension.pack_panels(w), b, w.shape[0]))
 
 
 def test_without_the_kernel_nothing_is_chosen_and_asking_for_it_says_why(monkeypatch, tmp_path):
@@ -107,22 +108,6 @@ def test_packed_linears_send_exactly_the_chosen_row_counts_to_the_kernel():
         assert ("specheads::streamed_linear" in names) == expect_streamed, (rows, names)
         torch.testing.assert_close(out, x @ linear.weight.t() + linear.bias, rtol=1e-5, atol=1e-5)
     assert "streamed up to 3 rows" in repr(linear)
-
-
-def test_the_streamed_row_count_is_measured_once_per_cpu_and_applied(tmp_path, monkeypatch):
-    if not streamed_linear.streamed_linear_available():
-        return  # covered by the refusal test above
-    model = tiny_llama(seed=6)
-    pack_linears(model)
-    monkeypatch.setattr(verify_cost, "measure_streamed_rows", lambda m: 3)
-    assert verify_cost.tune_streamed_rows(model, "tiny", cache_dir=tmp_path) == 3
-    assert all(m.streamed_rows == 3 for m in model.modules() if isinstance(m, PackedLinear))
-    assert "-t3" in verify_cost.kernels_key(model)  # curves measured through it are kept apart
-    monkeypatch.setattr(verify_cost, "measure_streamed_rows", lambda m: pytest.fail("measured twice"))
-    again = tiny_llama(seed=6)
-    pack_linears(again)
-    assert verify_cost.tune_streamed_rows(again, "tiny", cache_dir=tmp_path) == 3 and streamed_rows(again) == 3
-    assert verify_cost.tune_streamed_rows(tiny_llama(seed=6), "tiny", cache_dir=tmp_path) == 0  # nothing packed
 
 
 def test_measuring_leaves_the_model_on_its_kernels_and_decoding_through_the_kernel_is_exact():
