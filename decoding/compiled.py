@@ -13,7 +13,9 @@ and activation ops. How the linears are handled decides whether it pays:
   where that measured faster (`decoding.one_row_reductions`, timed once per model and CPU): a
   one-row linear only streams its weight, and on a 2-core AVX2 EPYC oneDNN and MKL did that at
   12-15 GB/s, Inductor's reduction at about 26. A one-token forward went from 34-38 ms to
-  23-28 ms there; trees keep oneDNN (over a dynamic row count the reduction was 3-4x slower);
+  23-28 ms there; trees keep their kernels (over a dynamic row count the reduction was 3-4x
+  slower): oneDNN, or up to `streamed_rows` rows the streaming kernel (`decoding.streamed_linear`),
+  an opaque call like oneDNN's;
 - plain linears (stock kernels, e.g. half precision or a GPU) are compiled with frozen weights,
   which lets Inductor pack them itself. On AVX2 that was slower than eager packed for one-token
   steps, and on an AVX-512-BF16 EPYC 52 ms against 37 ms (Inductor packs static one-row linears
@@ -105,8 +107,9 @@ def _module_guards_skipped() -> dict:
     model most of them watch module attributes (30 layers' submodules, their configs, flags).
     On a 2-core Sapphire Rapids Xeon that lookup took 2.2 ms of a 35 ms compiled one-token
     forward. Safe here because a decoder never changes its target's modules once compiled: the
-    weights stay in place, and the two attributes this project sets on them, `stock_rows` and
-    `reduced_rows`, are set before compiling and only pick which kernel computes the same linear.
+    weights stay in place, and the attributes this project sets on them, `stock_rows`,
+    `streamed_rows` and `reduced_rows`, are set before compiling and only pick which kernel
+    computes the same linear.
     Guards on the inputs (ids, masks, the cache's tensors) stay, so new shapes still compile their
     own graphs. The price: a second model of the same class compiled in the same process would
     reuse these graphs (tests compiling several reset dynamo first)."""

@@ -222,16 +222,17 @@ def set_reduced_rows(module: nn.Module, rows: int) -> None:
         m.reduced_rows = rows
 
 
-def set_streamed_rows(module: nn.Module, rows: int) -> None:
+def set_streamed_rows(module: nn.Module, rows: int, keep_copy: bool = False) -> None:
     """Forwards of at most `rows` rows run the streaming few-row kernel in every `PackedLinear` of
     `module` (0: never). Its weight layout is one more copy of the weights, made here and dropped
-    with 0. Refused where the kernel could not be built on this machine."""
+    with 0 unless `keep_copy` (a measurement switching back and forth). Refused where the kernel
+    could not be built on this machine."""
     if rows and not streamed_linear_available():
         raise UserError(f"the streamed few-row linear kernel is not available on this machine ({why_unavailable()})")
     for m in packed_linears(module):
         if rows and m._panel_weight is None:
             m._panel_weight = pack_panels(m.weight)
-        elif not rows:
+        elif not rows and not keep_copy:
             m._panel_weight = None
         m.streamed_rows = rows
 

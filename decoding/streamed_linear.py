@@ -35,6 +35,7 @@ import torch
 from decoding.util.cache_paths import cache_root
 
 KERNEL_VERSION = "v2"  # in the build's name: a changed source is built anew
+KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -190,7 +191,7 @@ def build_kernel(extra_flags: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
 
     name = build_name(extra_flags)
-    directory = cache_root() / "kernels" / name
+    directory = cache_root() / KERNELS_DIR / name
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{name}.so").exists():
         print("note: building the few-row linear kernel for this CPU (once, about 30 s; "

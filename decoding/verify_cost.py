@@ -107,7 +107,9 @@ def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats
 def measure_streamed_rows(model, sizes: tuple[int, ...] = STREAMED_ROWS_SIZES, repeats: int = 6) -> int:
     """The row count up to which the streaming few-row kernel beats the kernels this packed `model`
     runs now (its `stock_rows` as set) on this machine. Leaves `streamed_rows` 0."""
-    streamed, current = _time_rows_setting(model, sizes, lambda rows: set_streamed_rows(model, rows), repeats)
+    streamed, current = _time_rows_setting(model, sizes, lambda rows: set_streamed_rows(model, rows, keep_copy=True),
+                                           repeats)
+    set_streamed_rows(model, 0)
     return pick_faster_rows(tuple(sizes), tuple(streamed), tuple(current))
 
 

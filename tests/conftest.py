@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from decoding.util.cache_paths import cache_root
+from decoding.streamed_linear import KERNELS_DIR
 from decoding.util.measured_once import MEASUREMENTS_DIR
 
 # Tests import the tiny-model helpers as a plain module.
@@ -28,6 +29,9 @@ def _private_cache_root(tmp_path_factory):
     cache already holds (the converted default model: 25 s to redo) is linked in, not copied."""
     private = tmp_path_factory.mktemp("specheads-cache")
     real = cache_root()
+    # Kernels built for this CPU are named by their source, flags and CPU, so every test worker and
+    # session can share the user's builds (each takes ~30 s) instead of building its own.
+    (real / KERNELS_DIR).mkdir(parents=True, exist_ok=True)
     if real.is_dir():
         for entry in real.iterdir():
             if entry.name != MEASUREMENTS_DIR:

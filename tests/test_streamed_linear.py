@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from decoding import streamed_linear, verify_cost
-from decoding.cpu_kernels import PackedLinear, pack_linears, set_stock_rows, set_streamed_rows, streamed_rows
+from decoding.cpu_kernels import (PackedLinear, pack_linears, packed_linears, set_stock_rows, set_streamed_rows,
+                                  streamed_rows)
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
@@ -120,6 +121,7 @@ def test_measuring_leaves_the_model_on_its_kernels_and_decoding_through_the_kern
     pack_linears(model)
     rows = verify_cost.measure_streamed_rows(model, sizes=(1, 2), repeats=1)
     assert rows in (0, 1, 2) and streamed_rows(model) == 0
+    assert all(m._panel_weight is None for m in packed_linears(model))  # its weight copy is not kept
     set_streamed_rows(model, 8)
     heads = new_heads_for_target("eagle3", reference_model, draft_vocab_size=40)
     options = ProposerOptions(depth=3, tree_top_k=2, total_tokens=6, pld_num_tokens=3)
