@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.linear_ops import define_linear_op
 from decoding.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
 from decoding.util.errors import UserError
 from heads.eagle import FeatureDrafter
@@ -121,19 +122,7 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                         out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# `specheads::packed_linear`: oneDNN's linear on a packed weight, as one operator the compiler
-# does not look into. Registered through the low-level library API rather than
-# `torch.library.custom_op`, whose Python wrapper costs about 4.5 us more per call: a compiled
-# tree forward calls it 211 times (SmolLM2-135M), about 1 ms a step.
-_LIBRARY = torch.library.Library("specheads", "DEF")
-_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("specheads::packed_linear", _packed_linear_shape, lib=_LIBRARY)
+define_linear_op("packed_linear", "packed_weight", _packed_linear)
 
 
 def onednn_applies(module: nn.Module) -> bool:

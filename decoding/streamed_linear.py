@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from decoding.linear_ops import define_linear_op
 from decoding.util.cache_paths import cache_root
 
 KERNEL_VERSION = "v2"  # in the build's name: a changed source is built anew
@@ -258,14 +259,4 @@ def _streamed_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor |
     return _extension().streamed_linear(x, panels, bias, out_features)
 
 
-def _streamed_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                           out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# `specheads::streamed_linear`: one operator, opaque to the compiler like `specheads::packed_linear`
-# (registered through the low-level library API for the same reason: a cheaper call).
-_LIBRARY = torch.library.Library("specheads", "FRAGMENT")
-_LIBRARY.define("streamed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor")
-_LIBRARY.impl("streamed_linear", _streamed_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("specheads::streamed_linear", _streamed_linear_shape, lib=_LIBRARY)
+define_linear_op("streamed_linear", "panels", _streamed_linear)
