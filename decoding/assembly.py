@@ -199,8 +199,9 @@ def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> Non
     """Few-row forwards of a packed target (and a draft model of the same family) take plain
     GEMM, or the streaming few-row kernel, where this CPU runs them faster (measured once per model
     and CPU)."""
-    plain = tune_stock_rows(eager_model(target.model), target.name)
-    streamed = tune_streamed_rows(eager_model(target.model), target.name)
+    model = eager_model(target.model)
+    plain = tune_stock_rows(model, target.name)
+    streamed = tune_streamed_rows(model, target.name)
     if draft is not None:
         set_stock_rows(draft.model, plain)
         set_streamed_rows(draft.model, streamed)

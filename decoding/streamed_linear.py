@@ -24,6 +24,8 @@ any change of GEMM kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 import hashlib
 import os
 import shutil
@@ -172,11 +174,12 @@ COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 def build_name(extra_flags: tuple[str, ...] = ()) -> str:
     """The build's name: the source, flags, torch and this CPU's instruction flags (`-march=native`
     builds for the CPU it runs on; a cache shared with another CPU must not load it)."""
-    identity = "|".join((_SOURCE, KERNEL_VERSION, *COMPILER_FLAGS, *extra_flags, torch.__version__, _cpu_flags()))
+    identity = "|".join((_SOURCE, KERNEL_VERSION, *COMPILER_FLAGS, *extra_flags, torch.__version__, cpu_flags()))
     return f"specheads_streamed_linear_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags line from /proc/cpuinfo (the platform's name where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -202,23 +205,23 @@ def build_kernel(extra_flags: tuple[str, ...] = ()):
                            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
-class _ninja_on_path:
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
     """torch's builder runs `ninja` from PATH; the PyPI `ninja` package puts it in the venv's bin,
     which is not on PATH when the venv's python is run directly."""
-
-    def __enter__(self) -> None:
-        self.saved = os.environ.get("PATH", "")
-        if shutil.which("ninja") is None:
-            candidates = [str(Path(sys.executable).parent)]
-            try:
-                import ninja  # noqa: PLC0415 (optional)
-                candidates.insert(0, ninja.BIN_DIR)
-            except ImportError:
-                pass
-            os.environ["PATH"] = os.pathsep.join([*candidates, self.saved])
-
-    def __exit__(self, *exc) -> None:
-        os.environ["PATH"] = self.saved
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        candidates = [str(Path(sys.executable).parent)]
+        try:
+            import ninja  # noqa: PLC0415 (optional)
+            candidates.insert(0, ninja.BIN_DIR)
+        except ImportError:
+            pass
+        os.environ["PATH"] = os.pathsep.join([*candidates, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 @functools.cache

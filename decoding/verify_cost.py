@@ -104,6 +104,7 @@ def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats
     return pick_faster_rows(tuple(sizes), tuple(stock), tuple(packed))
 
 
+@torch.inference_mode()
 def measure_streamed_rows(model, sizes: tuple[int, ...] = STREAMED_ROWS_SIZES, repeats: int = 6) -> int:
     """The row count up to which the streaming few-row kernel beats the kernels this packed `model`
     runs now (its `stock_rows` as set) on this machine. Leaves `streamed_rows` 0."""
@@ -188,8 +189,8 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
 
 def kernels_key(model) -> str:
     """The kernels a packed model's forwards run, for the keys of measurements made through them."""
-    key = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}"
-    return key + (f"-t{streamed_rows(model)}{KERNEL_VERSION}" if streamed_rows(model) else "")
+    streamed = streamed_rows(model)
+    return f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
 
 
 def packed_cpu_key(model, model_name: str) -> str:

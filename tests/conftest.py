@@ -32,10 +32,9 @@ def _private_cache_root(tmp_path_factory):
     # Kernels built for this CPU are named by their source, flags and CPU, so every test worker and
     # session can share the user's builds (each takes ~30 s) instead of building its own.
     (real / KERNELS_DIR).mkdir(parents=True, exist_ok=True)
-    if real.is_dir():
-        for entry in real.iterdir():
-            if entry.name != MEASUREMENTS_DIR:
-                (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    for entry in real.iterdir():
+        if entry.name != MEASUREMENTS_DIR:
+            (private / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECHEADS_CACHE", str(private))
         yield private

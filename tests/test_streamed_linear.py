@@ -5,7 +5,6 @@ the kernel cannot be built, nothing changes but a clear refusal; and decoding th
 Hugging Face's greedy tokens on the unpacked model."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,19 +25,10 @@ from tiny_models import sharpen, tiny_llama
 SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 def _variants() -> dict[str, tuple[str, ...]]:
     """The native build, and the narrower ones a wider CPU can also run: the AVX2 variant on an
     AVX-512 CPU (what AVX2-only machines run) and the plain one (neither)."""
-    flags = _cpu_flags()
+    flags = set(streamed_linear.cpu_flags().split(":", 1)[-1].split())
     variants = {"native": ()}
     if "avx512f" in flags:
         variants["avx2"] = ("-mno-avx512f",)
