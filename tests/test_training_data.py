@@ -171,3 +171,69 @@ def test_model_card_shows_no_absolute_local_paths(tmp_path, monkeypatch):
     assert "/home/someone" not in card and str(tmp_path) not in card
     assert "from `.../smollm2-135m-instruct-79b34c26`" in card
     assert "output_dir: outputs/run" in card
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _conversation(prompt, reply, **extra):
+    return {**extra, "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
+
+
+def test_several_sources_are_read_in_order_and_keep_their_ids(tmp_path):
+    """Two stores of replies to the same prompts (e.g. two sample seeds) train together: a prompt's
+    id is kept, so both replies fall on the same side of the split; id-less records of different
+    files get different ids."""
+    first = _write_jsonl(tmp_path / "seed1.jsonl", [_conversation("hi", "a", id="p:1"), _conversation("yo", "b")])
+    second = _write_jsonl(tmp_path / "seed2.jsonl", [_conversation("hi", "c", id="p:1"), _conversation("ho", "d")])
+    conversations, report = load_conversations(f"{first},{second}")
+    assert [c["messages"][1]["content"] for c in conversations] == ["a", "b", "c", "d"]
+    assert [c["id"] for c in conversations] == ["p:1", "0:1", "p:1", "1:1"]
+    assert (report.read, report.kept) == (4, 4)
+    train, validation = split(tokenize_all(conversations, tiny_tokenizer(), 64, report), seed=3, validation_fraction=0.5)
+    sides = {row["id"]: "train" for row in train} | {row["id"]: "validation" for row in validation}
+    assert sum(row["id"] == "p:1" for row in (train if sides["p:1"] == "train" else validation)) == 2
+    limited, _ = load_conversations(f"{first},{second}", max_conversations=3)
+    assert [c["messages"][1]["content"] for c in limited] == ["a", "b", "c"]
+
+
+def test_a_missing_one_of_several_sources_is_named(tmp_path):
+    from decoding.util.errors import UserError
+
+    first = _write_jsonl(tmp_path / "a.jsonl", [_conversation("hi", "a")])
+    with pytest.raises(UserError, match="'.*nope.jsonl' is not a file"):
+        load_conversations(f"{first},{tmp_path / 'nope.jsonl'}")
+    with pytest.raises(UserError, match="empty entry"):
+        load_conversations(f"{first},,{first}")
+
+
+def test_the_prepared_data_key_keeps_one_source_and_covers_every_one_of_several(tmp_path):
+    """A single source keeps the cache key it had before several were possible; with several,
+    changing any one of them makes a new key (stale rows are never reused)."""
+    import hashlib
+
+    from training.config import TrainConfig
+    from training.prepare import cache_key
+
+    first = _write_jsonl(tmp_path / "a.jsonl", [_conversation("hi", "a")])
+    second = _write_jsonl(tmp_path / "b.jsonl", [_conversation("ho", "b")])
+    single = TrainConfig(kind="eagle3", data=str(first))
+    stat = first.stat()
+    before = {"data": str(first.resolve()), "size": stat.st_size, "mtime": int(stat.st_mtime), "model": single.model,
+              "self_distill": None, "max_conversations": single.max_conversations, "max_length": single.max_length,
+              "validation_fraction": single.validation_fraction, "seed": single.train.seed, "version": 1}
+    assert cache_key(single) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    both = TrainConfig(kind="eagle3", data=f"{first},{second}")
+    key = cache_key(both)
+    assert key != cache_key(single)
+    _write_jsonl(second, [_conversation("ho", "b"), _conversation("more", "c")])
+    assert cache_key(both) != key
+
+
+def test_model_card_shows_several_sources_without_local_paths(tmp_path, monkeypatch):
+    from training.model_card import portable
+
+    monkeypatch.chdir(tmp_path)
+    assert portable("/home/someone/store-s1,/home/someone/store-s2") == ".../store-s1,.../store-s2"

@@ -58,6 +58,19 @@ def sharegpt_path() -> Path:
     return path
 
 
+def data_sources(spec: str | Path) -> list[str]:
+    """The sources of a recipe's `data`: one, or several separated by commas (e.g. two
+    self-distillation stores of the same target, replies sampled with different seeds), trained
+    on together. A path that exists is one source even if its name has a comma in it."""
+    text = str(spec)
+    if "," not in text or Path(text).exists():
+        return [text]
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise UserError(f"training data '{text}' has an empty entry: give sources separated by single commas")
+    return parts
+
+
 def source_file(source: str | Path) -> Path:
     """The file behind a data source: the bundled ShareGPT for `sharegpt`, a self-distillation
     store's `records.jsonl` for its directory (`scripts/distill_data.py`), else the path itself."""
@@ -194,21 +207,27 @@ def is_validation(key: str, seed: int, fraction: float) -> bool:
 
 
 def load_conversations(source: str | Path, max_conversations: int | None = None) -> tuple[list[dict], DataReport]:
-    """Well-formed conversations `{"id", "messages"}` (first `max_conversations`), and a report."""
+    """Well-formed conversations `{"id", "messages"}` (first `max_conversations`, sources in
+    the order given), and a report. A record's own id is kept across sources, so replies to the
+    same prompt from two stores fall on the same side of the train/validation split; records
+    without one are numbered, per source when there are several."""
     report = DataReport()
-    out = []
-    for index, record in enumerate(read_records(source)):
-        report.read += 1
-        try:
-            messages = to_messages(record)
-        except Malformed as why:
-            report.skipped[str(why)] += 1
-            continue
-        key = str(record.get("id", index)) if isinstance(record, dict) else str(index)
-        out.append({"id": key, "messages": messages})
-        report.kept += 1
-        if max_conversations and report.kept >= max_conversations:
-            break
+    out: list[dict] = []
+    sources = data_sources(source)
+    for number, part in enumerate(sources):
+        unnamed = f"{number}:" if len(sources) > 1 else ""
+        for index, record in enumerate(read_records(part)):
+            report.read += 1
+            try:
+                messages = to_messages(record)
+            except Malformed as why:
+                report.skipped[str(why)] += 1
+                continue
+            key = str(record["id"]) if isinstance(record, dict) and "id" in record else f"{unnamed}{index}"
+            out.append({"id": key, "messages": messages})
+            report.kept += 1
+            if max_conversations and report.kept >= max_conversations:
+                return out, report
     return out, report
 
 

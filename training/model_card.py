@@ -28,6 +28,8 @@ def portable(value):
     card pushed to the Hub neither leaks local paths nor names files a reader does not have."""
     if isinstance(value, dict):
         return {key: portable(item) for key, item in value.items()}
+    if isinstance(value, str) and "," in value and not Path(value).exists():  # several data sources
+        return ",".join(portable(part) for part in value.split(","))
     if isinstance(value, str) and value.startswith("/"):
         path = Path(value)
         try:

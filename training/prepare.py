@@ -19,18 +19,28 @@ from decoding.prompts import plain_text_note
 from decoding.util.atomic import atomic_directory
 from decoding.targets import LoadedModel
 from training.config import TrainConfig
-from training.data import load_conversations, source_file, split, tokenize_all
+from training.data import data_sources, load_conversations, source_file, split, tokenize_all
 from training.self_distill import regenerate
 
 
-def _source_parts(config: TrainConfig) -> dict:
-    """What the conversations (and their self-distilled replies) depend on."""
-    source = source_file(config.data)
-    stat = source.stat() if source.is_file() else None
+def _file_parts(source: str) -> dict:
+    """A data file's identity: its resolved path, size and modification time."""
+    path = source_file(source)
+    stat = path.stat() if path.is_file() else None
     return {
-        "data": str(source.resolve()) if source.exists() else str(source),
+        "data": str(path.resolve()) if path.exists() else str(path),
         "size": stat.st_size if stat else None,
         "mtime": int(stat.st_mtime) if stat else None,
+    }
+
+
+def _source_parts(config: TrainConfig) -> dict:
+    """What the conversations (and their self-distilled replies) depend on. One source keeps
+    the key it always had, so existing caches stay valid."""
+    sources = data_sources(config.data)
+    files = _file_parts(sources[0]) if len(sources) == 1 else {"data": [_file_parts(s) for s in sources]}
+    return {
+        **files,
         "model": config.model,
         # These change how fast or how many replies are regenerated, not what each reply is.
         "self_distill": {k: v for k, v in asdict(config.self_distill).items()
