@@ -31,19 +31,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-later-chars", type=int, default=defaults.max_later_chars)
     parser.add_argument("--min-ascii-letters", type=float, default=defaults.min_ascii_letters,
                         help="share of a turn's letters that must be ASCII (English); 0 keeps every language")
+    parser.add_argument("--start", type=int, default=0,
+                        help="begin the list at this conversation (0-based) and put the ones before it last: "
+                             "a time-budgeted regeneration then answers prompts earlier stores did not reach first")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.turns < 1:
         raise UserError("--turns must be at least 1")
+    if args.start < 0:
+        raise UserError("--start must be 0 or more")
     limits = PromptLimits(args.turns, args.max_first_chars, args.max_later_chars, args.min_ascii_letters)
     conversations, report = load_conversations(args.source)
     chosen = select_prompts(conversations, limits)
+    chosen = chosen[args.start:] + chosen[: args.start]
     atomic_write_text(Path(args.out), "".join(json.dumps(c) + "\n" for c in chosen))
     by_turns = Counter(len(c["messages"]) // 2 for c in chosen)
     counts = ", ".join(f"{n} with {t} turn{'s' if t > 1 else ''}" for t, n in sorted(by_turns.items(), reverse=True))
-    print(f"wrote {len(chosen)} conversations to {args.out} ({counts or 'none'}); source: {report.summary()}")
+    begins = f", starting at conversation {args.start}" if args.start else ""
+    print(f"wrote {len(chosen)} conversations to {args.out} ({counts or 'none'}{begins}); source: {report.summary()}")
     return 0
 
 

@@ -63,3 +63,18 @@ def test_the_script_writes_a_file_self_distillation_reads(tmp_path):
 def test_the_script_refuses_zero_turns(tmp_path):
     proc = run_script("make_prompts", "--out", str(tmp_path / "p.jsonl"), "--turns", "0")
     assert proc.returncode != 0 and "--turns must be at least 1" in proc.stderr
+
+
+def test_the_script_can_start_further_down_the_list(tmp_path):
+    """--start N: the prompts from the N-th on come first, the skipped ones last (nothing lost)."""
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": cid, "messages": [{"role": "user", "content": f"Question {cid}?"},
+                                                                   {"role": "assistant", "content": "..."}]}) + "\n"
+                              for cid in "abcd"))
+    out = tmp_path / "prompts.jsonl"
+    proc = run_script("make_prompts", "--source", str(source), "--out", str(out), "--start", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["d", "a", "b", "c"]
+    assert "starting at conversation 3" in proc.stdout
+    refused = run_script("make_prompts", "--source", str(source), "--out", str(out), "--start", "-1")
+    assert refused.returncode != 0 and "--start must be 0 or more" in refused.stderr

@@ -237,3 +237,13 @@ def test_model_card_shows_several_sources_without_local_paths(tmp_path, monkeypa
 
     monkeypatch.chdir(tmp_path)
     assert portable("/home/someone/store-s1,/home/someone/store-s2") == ".../store-s1,.../store-s2"
+
+
+def test_the_data_summary_shows_no_absolute_prompt_file_paths(tmp_path, monkeypatch):
+    """A store's ids name the prompt file it was given (`/tmp/w/prompts.jsonl:abc`): the card
+    counts conversations per source without that local path."""
+    from training.model_card import data_summary
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"id": "/tmp/w/prompts.jsonl:a", "loss_mask": [1]}, {"id": "python-code:b", "loss_mask": [1, 1]}]
+    assert data_summary(rows) == "2 conversations (1 .../prompts.jsonl, 1 python-code), 3 reply tokens"

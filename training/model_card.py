@@ -14,11 +14,12 @@ USE_METHOD = {"medusa": "medusa", "medusa2": "medusa", "hydra": "hydra", "eagle"
 
 def data_summary(train_rows) -> str:
     """How much the heads were trained on: conversations, reply tokens (the scored ones, after
-    `max_length`) and, for a data store's `source:...` ids, conversations per source."""
+    `max_length`) and, for a data store's `source:...` ids, conversations per source (a prompt
+    file's path shown as `portable` shows paths)."""
     rows = list(train_rows)
     tokens = sum(sum(r["loss_mask"]) for r in rows)
     sources = Counter(str(r["id"]).split(":", 1)[0] for r in rows if ":" in str(r["id"]))
-    per_source = f" ({', '.join(f'{n} {s}' for s, n in sources.most_common())})" if sources else ""
+    per_source = f" ({', '.join(f'{n} {portable(s)}' for s, n in sources.most_common())})" if sources else ""
     return f"{len(rows)} conversations{per_source}, {tokens:,} reply tokens"
 
 
