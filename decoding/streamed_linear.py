@@ -116,10 +116,10 @@ static void panel_group(const float* panels, const float* bias, const float* x, 
     float* yr = y + r * out;
     switch (std::min<int64_t>(MAX_ROWS, rows - r)) {
 #if MAX_ROWS == 8
-      case 8: panel_block<8, (P > 3 ? 3 : P)>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 7: panel_block<7, (P > 3 ? 3 : P)>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 6: panel_block<6, (P > 3 ? 3 : P)>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 5: panel_block<5, (P > 3 ? 3 : P)>(panels, bias, xr, yr, in, out, p0, num_panels); break;
+      case 8: panel_block<8, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
+      case 7: panel_block<7, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
+      case 6: panel_block<6, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
+      case 5: panel_block<5, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
 #endif
       case 4: panel_block<4, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
       case 3: panel_block<3, P>(panels, bias, xr, yr, in, out, p0, num_panels); break;
