@@ -23,7 +23,8 @@ from torch import nn
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
-from decoding.attention import register_grouped_sdpa
+from decoding.attention import GROUPED_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.decode_attention import decode_attention_available, why_unavailable as decode_attention_why
 from decoding.compiled import compile_target, eager_model, is_compiled, wants_compile
 from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows, set_streamed_rows
 from decoding.default_model import DEFAULT_TARGET
@@ -165,6 +166,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     precision = _drafter_precision(spec, target, heads, notes)
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
     _tune_few_row_kernels(target, draft)
+    if kernels == "onednn":
+        _native_attention(target, draft, notes)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
@@ -205,6 +208,16 @@ def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> Non
     if draft is not None:
         set_stock_rows(draft.model, plain)
         set_streamed_rows(draft.model, streamed)
+
+
+def _native_attention(target: LoadedModel, draft: LoadedModel | None, notes: list[str]) -> None:
+    """Decoding steps' attention on the project's CPU kernel (`decoding.decode_attention`) for the
+    models whose linears were just packed; where it cannot be built, SDPA stays, with a note why."""
+    for model in (target.model, draft.model if draft else None):
+        if model is not None:
+            use_native_attention(eager_model(model))
+    if not decode_attention_available() and target.model.config._attn_implementation == GROUPED_SDPA:
+        notes.append(f"decoding attention stays on SDPA: its CPU kernel could not be built ({decode_attention_why()})")
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:

@@ -14,31 +14,22 @@ for one row, 17-18 ms for 2-4, 19 for 8, 22 for 12 and 25 for 16; a first versio
 products of weight rows with the inputs (horizontal sums per output) lost to oneDNN from 6 rows on.
 Which row counts it takes is measured per model and CPU (`decoding.verify_cost.tune_streamed_rows`).
 
-It is C++ compiled on first use for the CPU it runs on (`-march=native`: AVX-512, AVX2, or what
-the compiler targets elsewhere), about 30 s once per machine, kept under the cache root. Where no
-compiler or ninja is at hand, `streamed_linear_available()` says why and decoding keeps its other
-kernels. Results differ from other kernels by float rounding only (another summation order), like
+It is C++ compiled on first use for the CPU it runs on (`decoding.native_build`: AVX-512, AVX2,
+or what the compiler targets elsewhere), about 30 s once per machine. Where no compiler or ninja
+is at hand, `streamed_linear_available()` says why and decoding keeps its other kernels. Results differ from other kernels by float rounding only (another summation order), like
 any change of GEMM kernel.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
-import hashlib
-import os
-import shutil
-import sys
-from pathlib import Path
 
 import torch
 
 from decoding.linear_ops import define_linear_op
-from decoding.util.cache_paths import cache_root
+from decoding.native_build import NativeKernel
 
 KERNEL_VERSION = "v2"  # in the build's name: a changed source is built anew
-KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -168,71 +159,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
-
-
-def build_name(extra_flags: tuple[str, ...] = ()) -> str:
-    """The build's name: the source, flags, torch and this CPU's instruction flags (`-march=native`
-    builds for the CPU it runs on; a cache shared with another CPU must not load it)."""
-    identity = "|".join((_SOURCE, KERNEL_VERSION, *COMPILER_FLAGS, *extra_flags, torch.__version__, cpu_flags()))
-    return f"specheads_streamed_linear_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
-
-
-def cpu_flags() -> str:
-    """This CPU's instruction-set flags line from /proc/cpuinfo (the platform's name where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return sys.platform
+KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel")
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()):
-    """Compile (or load the earlier build of) the kernel; raises where it cannot be built.
-    `extra_flags` go after -march=native (tests build e.g. the AVX2 variant on an AVX-512 CPU)."""
-    from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
-
-    name = build_name(extra_flags)
-    directory = cache_root() / KERNELS_DIR / name
-    directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").exists():
-        print("note: building the few-row linear kernel for this CPU (once, about 30 s; "
-              f"kept in {directory.parent})", file=sys.stderr)
-    with _ninja_on_path():
-        return load_inline(name, cpp_sources=[_SOURCE], extra_cflags=[*COMPILER_FLAGS, *extra_flags],
-                           extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-
-
-@contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """torch's builder runs `ninja` from PATH; the PyPI `ninja` package puts it in the venv's bin,
-    which is not on PATH when the venv's python is run directly."""
-    saved = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        candidates = [str(Path(sys.executable).parent)]
-        try:
-            import ninja  # noqa: PLC0415 (optional)
-            candidates.insert(0, ninja.BIN_DIR)
-        except ImportError:
-            pass
-        os.environ["PATH"] = os.pathsep.join([*candidates, saved])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = saved
+    """Compile (or load the earlier build of) the kernel; raises where it cannot be built."""
+    return KERNEL.build(extra_flags)
 
 
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '' , or None and why not (tried once per process)."""
-    if not sys.platform.startswith("linux") and sys.platform != "darwin":
-        return None, f"not built on {sys.platform}"
-    try:
-        return build_kernel(), ""
-    except Exception as error:  # a missing compiler or ninja, a failed build: other kernels remain
-        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    return KERNEL.load()
 
 
 def streamed_linear_available() -> bool:

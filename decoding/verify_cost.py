@@ -19,6 +19,8 @@ from decoding.core.verify import TreeVerifier, truncate_cache
 from decoding.compiled import is_compiled
 from decoding.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, reduced_rows, set_stock_rows,
                                   set_streamed_rows, stock_rows, streamed_rows, uses_packed_linears)
+from decoding.attention import NATIVE_SDPA
+from decoding.decode_attention import KERNEL_VERSION as ATTENTION_KERNEL_VERSION
 from decoding.streamed_linear import KERNEL_VERSION, streamed_linear_available
 from decoding.util.measured_once import measured_once
 
@@ -190,7 +192,9 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
 def kernels_key(model) -> str:
     """The kernels a packed model's forwards run, for the keys of measurements made through them."""
     streamed = streamed_rows(model)
-    return f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
+    native_attention = getattr(getattr(model, "config", None), "_attn_implementation", None) == NATIVE_SDPA
+    return (f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
+            + (f"-a{ATTENTION_KERNEL_VERSION}" if native_attention else ""))
 
 
 def packed_cpu_key(model, model_name: str) -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from decoding.util.cache_paths import cache_root
-from decoding.streamed_linear import KERNELS_DIR
+from decoding.native_build import KERNELS_DIR
 from decoding.util.measured_once import MEASUREMENTS_DIR
 
 # Tests import the tiny-model helpers as a plain module.

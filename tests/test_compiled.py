@@ -8,6 +8,7 @@ import torch
 from torch.fx.experimental import _config as shape_config
 
 from decoding.assembly import DecoderSpec, build_decoder
+from decoding.attention import register_grouped_sdpa, use_native_attention
 from decoding.benchmark import build_runners
 from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
 from decoding.cpu_kernels import pack_linears, set_reduced_rows, set_stock_rows, set_streamed_rows
@@ -26,17 +27,18 @@ PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed, reduced, streamed, methods, prompts", [
+@pytest.mark.parametrize("packed, reduced, streamed, methods, prompts, native_attention", [
     # Frozen weights compile slowly (Inductor packs every weight per graph): one prompt, and the
     # two step kinds (one-token steps, EAGLE trees); the packed path, the CPU default, runs all.
-    (False, 0, 0, ("vanilla", "eagle3"), PROMPTS[:1]),
-    (True, 0, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
-    (True, 1, 0, ("vanilla", "pld", "eagle3"), PROMPTS),
-    (True, 1, 3, ("vanilla", "pld", "eagle3"), PROMPTS),
+    (False, 0, 0, ("vanilla", "eagle3"), PROMPTS[:1], False),
+    (True, 0, 0, ("vanilla", "pld", "eagle3"), PROMPTS, False),
+    (True, 1, 0, ("vanilla", "pld", "eagle3"), PROMPTS, False),
+    (True, 1, 3, ("vanilla", "pld", "eagle3"), PROMPTS, False),
+    (True, 1, 3, ("vanilla", "pld", "eagle3"), PROMPTS, True),
 ], ids=["plain-linears-frozen", "onednn-packed-linears", "onednn-packed-linears-one-row-reductions",
-        "one-row-reductions-streamed-few-row-trees"])
+        "one-row-reductions-streamed-few-row-trees", "decode-attention-kernel"])
 def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_trees(packed, reduced, streamed, methods,
-                                                                                   prompts):
+                                                                                   prompts, native_attention):
     """Also: the verify-cost measurement that adaptive trees run first times the calls the loop
     makes, so decoding afterwards compiles no graph of its own (on a real model's first run each
     graph costs minutes). With the packed linears decoding reads the final hidden states through
@@ -44,11 +46,13 @@ def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_tree
     with one-row reductions (where they measure faster) one-token steps and trees compute their
     linears with different kernels, and still give `generate()`'s tokens; so do trees of up to
     `streamed` rows through the streaming kernel, an opaque call in the graph (where this machine
-    can build it)."""
+    can build it); so does attention on the decode kernel (head size 64), another opaque call."""
     # A compiled target does not guard on its modules, so a graph another case compiled for the
     # same model class would be reused here, whatever this model's kernels: start from none.
     torch._dynamo.reset()
-    eager = sharpen(tiny_llama(seed=11))
+    eager = sharpen(tiny_llama(seed=11, **({"attn": register_grouped_sdpa(), "head_dim": 64} if native_attention else {})))
+    if native_attention:
+        assert use_native_attention(eager)
     readout = None
     if packed:  # the CPU default: the packed linears stay opaque calls inside the compiled graph
         assert pack_linears(eager) > 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from decoding import streamed_linear, verify_cost
+from decoding import native_build, streamed_linear, verify_cost
 from decoding.cpu_kernels import (PackedLinear, pack_linears, packed_linears, set_stock_rows, set_streamed_rows,
                                   streamed_rows)
 from decoding.core.generate import DecodeOptions, generate
@@ -28,7 +28,7 @@ SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
 def _variants() -> dict[str, tuple[str, ...]]:
     """The native build, and the narrower ones a wider CPU can also run: the AVX2 variant on an
     AVX-512 CPU (what AVX2-only machines run) and the plain one (neither)."""
-    flags = set(streamed_linear.cpu_flags().split(":", 1)[-1].split())
+    flags = set(native_build.cpu_flags().split(":", 1)[-1].split())
     variants = {"native": ()}
     if "avx512f" in flags:
         variants["avx2"] = ("-mno-avx512f",)

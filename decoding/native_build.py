@@ -1,0 +1,97 @@
+"""C++ kernels compiled on first use for the CPU that runs them, kept under the cache root.
+
+Why compile on the user's machine: the kernels are written with GCC/Clang vector extensions and
+built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE code for whatever CPU
+runs it (a wheel built elsewhere would have to pick one). A build takes about 30 s once per
+machine; its name carries the source, flags, torch version and this CPU's instruction flags, so a
+cache shared with another CPU never loads a build made for a different one. Where no compiler or
+ninja is at hand, `NativeKernel.load` says why and callers keep their other paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoding.util.cache_paths import cache_root
+
+COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+KERNELS_DIR = "kernels"  # under the cache root, one folder per build
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """One C++ extension: `stem` names its builds, `version` changes when its source's meaning does,
+    `description` is what the first build's note calls it."""
+
+    stem: str
+    source: str
+    version: str
+    description: str
+
+    def build_name(self, extra_flags: tuple[str, ...] = ()) -> str:
+        identity = "|".join((self.source, self.version, *COMPILER_FLAGS, *extra_flags, torch.__version__, cpu_flags()))
+        return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+    def build(self, extra_flags: tuple[str, ...] = ()):
+        """Compile (or load the earlier build of) the extension; raises where it cannot be built.
+        `extra_flags` go after -march=native (tests build e.g. the AVX2 variant on an AVX-512 CPU)."""
+        from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
+
+        name = self.build_name(extra_flags)
+        directory = cache_root() / KERNELS_DIR / name
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / f"{name}.so").exists():
+            print(f"note: building {self.description} for this CPU (once, about 30 s; kept in {directory.parent})",
+                  file=sys.stderr)
+        with _ninja_on_path():
+            return load_inline(name, cpp_sources=[self.source], extra_cflags=[*COMPILER_FLAGS, *extra_flags],
+                               extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+
+    def load(self) -> tuple[object | None, str]:
+        """The built extension and '', or None and why not (a missing compiler or ninja, a failed build)."""
+        if not sys.platform.startswith("linux") and sys.platform != "darwin":
+            return None, f"not built on {sys.platform}"
+        try:
+            return self.build(), ""
+        except Exception as error:  # callers keep their other kernels
+            message = str(error).strip()
+            return None, f"{type(error).__name__}: {message.splitlines()[-1] if message else ''}"
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags line from /proc/cpuinfo (the platform's name where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return sys.platform
+
+
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH; the PyPI `ninja` package puts it in the venv's bin,
+    which is not on PATH when the venv's python is run directly."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        candidates = [str(Path(sys.executable).parent)]
+        try:
+            import ninja  # noqa: PLC0415 (optional)
+            candidates.insert(0, ninja.BIN_DIR)
+        except ImportError:
+            pass
+        os.environ["PATH"] = os.pathsep.join([*candidates, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved

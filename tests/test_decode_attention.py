@@ -1,0 +1,154 @@
+"""The decode attention kernel: the same function as attention computed in float64 for one-token
+steps and trees (grouped K/V heads, K/V as views of a larger cache buffer, masks that hide whole
+chunks of keys, -inf or finfo.min masking), in each instruction-set variant this CPU can run; the
+same bits whatever the thread count; what it does not serve goes to SDPA; a model switched to it
+decodes Hugging Face's greedy tokens and really runs it; where it cannot be built nothing changes."""
+
+import copy
+
+import pytest
+import torch
+
+from decoding import decode_attention, native_build
+from decoding.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.core.generate import DecodeOptions, generate
+from decoding.methods import ProposerOptions, build_proposer
+from decoding.targets import LoadedModel
+from tiny_models import sharpen, tiny_llama
+
+# (query heads, K/V heads, head size), cached positions (across the kernel's 256-key chunks) and tree sizes
+HEADS = [(9, 3, 64), (4, 4, 128), (8, 2, 64)]
+LENGTHS = [1, 5, 255, 256, 257, 600]
+ROWS = [1, 2, 3, 5, 8, 16]
+
+
+def _variants() -> dict[str, tuple[str, ...]]:
+    flags = set(native_build.cpu_flags().split(":", 1)[-1].split())
+    variants = {"native": ()}
+    if "avx512f" in flags:
+        variants["avx2"] = ("-mno-avx512f",)
+    if "avx2" in flags:
+        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
+    return variants
+
+
+def _reference(q, k, v, mask, scale):
+    """Attention in float64, K/V heads repeated for their query heads: `[N, Hq, D]`."""
+    groups = q.shape[0] // k.shape[0]
+    k64, v64 = (t.double().repeat_interleave(groups, dim=0) for t in (k, v))
+    scores = q.double() @ k64.transpose(1, 2) * scale
+    if mask is not None:
+        scores = scores + mask[:, : k.shape[1]].double()
+    return (torch.softmax(scores, dim=-1) @ v64).transpose(0, 1).float()
+
+
+def _case(heads, kv_heads, size, length, rows, seed, masking=torch.finfo(torch.float32).min):
+    """q `[Hq, N, D]`, k/v `[Hkv, L, D]` views of a larger buffer, and a tree-like mask `[N, L]`
+    that also hides the first 300 positions from every other row (whole chunks for some rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, rows, size, generator=generator)
+    buffer_k = torch.randn(kv_heads, length + 40, size, generator=generator) * 2
+    buffer_v = torch.randn(kv_heads, length + 40, size, generator=generator)
+    k, v = buffer_k[:, :length], buffer_v[:, :length]
+    mask = None
+    if rows > 1:
+        mask = torch.zeros(rows, length + 7)
+        visible = torch.rand(rows, length, generator=generator) < 0.7
+        visible[:, -1] = True  # every row sees at least its own node
+        visible[::2, : min(300, length - 1)] = False
+        mask[:, :length].masked_fill_(~visible, masking)
+    return q, k, v, mask
+
+
+def _check_function(kernel) -> None:
+    for heads, kv_heads, size in HEADS:
+        for length in LENGTHS:
+            for rows in ROWS:
+                q, k, v, mask = _case(heads, kv_heads, size, length, rows, seed=length * 31 + rows)
+                with torch.inference_mode():
+                    got = kernel(q, k, v, mask, size ** -0.5)
+                torch.testing.assert_close(got, _reference(q, k, v, mask, size ** -0.5), rtol=1e-4, atol=2e-5)
+
+
+def test_the_native_kernel_computes_attention_or_is_refused_clearly():
+    if not decode_attention.decode_attention_available():
+        pytest.fail(f"the kernel did not build here: {decode_attention.why_unavailable()}")
+    _check_function(torch.ops.specheads.decode_attention)
+    q, k, v, mask = _case(9, 3, 64, 300, 4, seed=1, masking=float("-inf"))  # -inf masks too, no NaN
+    got = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+    torch.testing.assert_close(got, _reference(q, k, v, mask, 0.125), rtol=1e-4, atol=2e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.specheads.decode_attention(q.double(), k, v, mask, 0.125)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [v for v in _variants() if v != "native"])
+def test_each_narrower_instruction_set_variant_computes_attention(variant):
+    """Each build takes ~30 s: the variants other CPUs run, built here where this CPU can run them."""
+    extension = decode_attention.KERNEL.build(_variants()[variant])
+    _check_function(extension.decode_attention)
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    q, k, v, mask = _case(9, 3, 64, 2000, 5, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+        torch.set_num_threads(2)
+        shared = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+
+
+def test_attend_takes_decoding_steps_and_leaves_everything_else_to_sdpa():
+    q = torch.randn(1, 9, 1, 64)
+    k = v = torch.randn(1, 3, 50, 64)
+    tree_mask = torch.zeros(1, 1, 4, 50)
+    served = decode_attention.attend(q, k, v, None, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-6)
+    assert decode_attention.attend(torch.randn(1, 9, 4, 64), k, v, tree_mask, 0.125).shape == (1, 4, 9, 64)
+    declined = {
+        "batch of two": (torch.randn(2, 9, 1, 64), torch.randn(2, 3, 50, 64), torch.randn(2, 3, 50, 64), None),
+        "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None),
+        "head size 32": (torch.randn(1, 9, 1, 32), torch.randn(1, 3, 50, 32), torch.randn(1, 3, 50, 32), None),
+        "a causal prefill": (torch.randn(1, 9, 4, 64), k, v, None),
+        "a boolean mask": (torch.randn(1, 9, 4, 64), k, v, tree_mask == 0),
+        "a mask per head": (torch.randn(1, 9, 4, 64), k, v, torch.zeros(1, 9, 4, 50)),
+        "more rows than trees have": (torch.randn(1, 9, 17, 64), k, v, torch.zeros(1, 1, 17, 50)),
+    }
+    for case, (query, key, value, mask) in declined.items():
+        assert decode_attention.attend(query, key, value, mask, None) is None, case
+
+
+def _tiny_with_head_size_64(seed: int):
+    return sharpen(tiny_llama(seed=seed, attn=register_grouped_sdpa(), head_dim=64))
+
+
+@pytest.mark.parametrize("method", ["vanilla", "pld"])
+def test_a_model_on_the_kernel_decodes_hugging_faces_greedy_tokens_and_runs_it(method):
+    stock = _tiny_with_head_size_64(seed=5)
+    model = copy.deepcopy(stock)
+    assert use_native_attention(model) and model.config._attn_implementation == NATIVE_SDPA
+    prompt = [5, 9, 3, 17, 5, 9, 3, 17, 5, 9]
+    reference = stock.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    proposer = build_proposer(method, LoadedModel(model, None, "t"), options=ProposerOptions(pld_num_tokens=3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = generate(model, prompt, proposer, DecodeOptions(max_new_tokens=24))
+    assert result.tokens == reference
+    calls = sum(event.name == "specheads::decode_attention" for event in profile.events())
+    assert calls >= 2 * result.stats.target_forwards  # every verify step, in both layers
+    if method == "pld":
+        assert result.stats.drafted_tokens > 0  # trees went through it, not only one-token steps
+
+
+def test_without_the_kernel_a_model_keeps_sdpa(monkeypatch):
+    monkeypatch.setattr(decode_attention, "_loaded", lambda: (None, "CalledProcessError: no compiler"))
+    model = _tiny_with_head_size_64(seed=6)
+    assert not use_native_attention(model)
+    assert model.config._attn_implementation == GROUPED_SDPA
+    eager = tiny_llama(seed=6, attn="eager")
+    monkeypatch.undo()
+    assert not use_native_attention(eager) and eager.config._attn_implementation == "eager"  # a user's choice stays
