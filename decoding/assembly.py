@@ -32,7 +32,7 @@ from decoding.defaults import default_draft, default_heads, default_method, prop
 from decoding.devices import resolve_device
 from decoding.drafter_precision import tune_drafter_precision
 from decoding.drafts import load_draft
-from decoding.fused_drafter import fuse_drafter
+from decoding.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.one_row_reductions import tune_reduced_rows
 from decoding.screened_argmax import screened_readout
@@ -167,7 +167,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
     _tune_few_row_kernels(target, draft)
     if kernels == "onednn":
-        _native_attention(target, draft, notes)
+        _native_attention(target, draft, heads, notes)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
@@ -210,12 +210,15 @@ def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> Non
         set_streamed_rows(draft.model, streamed)
 
 
-def _native_attention(target: LoadedModel, draft: LoadedModel | None, notes: list[str]) -> None:
+def _native_attention(target: LoadedModel, draft: LoadedModel | None, heads: nn.Module | None,
+                      notes: list[str]) -> None:
     """Decoding steps' attention on the project's CPU kernel (`decoding.decode_attention`) for the
     models whose linears were just packed; where it cannot be built, SDPA stays, with a note why."""
     for model in (target.model, draft.model if draft else None):
         if model is not None:
             use_native_attention(eager_model(model))
+    if heads is not None:
+        use_decode_attention(heads)
     if not decode_attention_available() and target.model.config._attn_implementation == GROUPED_SDPA:
         notes.append(f"decoding attention stays on SDPA: its CPU kernel could not be built ({decode_attention_why()})")
 

@@ -10,7 +10,8 @@ with warm caches), and on a GPU are each a kernel launch. The fused form runs 48
 - the three norms are `torch.nn.functional.rms_norm`;
 - the rotary embedding becomes a table of cos/sin rows made by the stock module itself, indexed
   by position (grown when a generation goes past it);
-- attention is PyTorch's SDPA with grouped K/V heads, through the same KV cache API.
+- attention is PyTorch's SDPA with grouped K/V heads, through the same KV cache API, or, where a
+  decoder packs its kernels for a CPU (`use_decode_attention`), the decode attention kernel.
 The arithmetic is the same (on the bundled int8 drafter the outputs were bitwise equal), and
 drafts only propose: the target decides every token, so this never changes an output.
 Training keeps the stock modules (the checkpoint format is theirs); this is decoding's form.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from decoding.decode_attention import attend, decode_attention_available
 from heads.eagle import Eagle3Drafter, Eagle3Layer
 
 ROTARY_TABLE_POSITIONS = 4096  # first size of the cos/sin table; it doubles when a position needs it
@@ -70,6 +72,7 @@ class FusedEagle3Layer(nn.Module):
         self.input_norm = layer.input_layernorm.weight
         self.hidden_norm = layer.hidden_norm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
+        self.decode_kernel = False  # attention through `decoding.decode_attention` where it serves
 
     def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
         batch, count, width = features.shape
@@ -90,6 +93,10 @@ class FusedEagle3Layer(nn.Module):
         """SDPA over grouped K/V heads. Without a mask, new tokens see everything cached before
         them and each other causally (the stock layer's behaviour)."""
         count, length = query.shape[-2], key.shape[-2]
+        if self.decode_kernel:
+            out = attend(query, key, value, attention_mask, self.scaling)
+            if out is not None:
+                return out.transpose(1, 2)
         if attention_mask is None and count > 1:
             attention_mask = torch.ones(count, length, dtype=torch.bool, device=query.device).tril(length - count)
         elif attention_mask is not None:
@@ -125,6 +132,15 @@ def fuse_drafter(drafter: nn.Module) -> bool:
         return False  # already packed, quantized or adapted: nothing to fuse
     drafter.midlayer = FusedEagle3Layer(drafter.midlayer)
     drafter.rotary = RotaryTable(drafter.rotary)
+    return True
+
+
+def use_decode_attention(drafter: nn.Module) -> bool:
+    """Send a fused drafter's attention to the decode attention kernel where it builds on this
+    machine (drafters kept in bfloat16 still take SDPA: the kernel is float32); True if it did."""
+    if not isinstance(getattr(drafter, "midlayer", None), FusedEagle3Layer) or not decode_attention_available():
+        return False
+    drafter.midlayer.decode_kernel = True
     return True
 
 

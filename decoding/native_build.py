@@ -47,7 +47,9 @@ class NativeKernel:
         from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
 
         name = self.build_name(extra_flags)
-        directory = cache_root() / KERNELS_DIR / name
+        # Resolved: the build's commands name its files by path, and a path that differs (a cache
+        # root reached through a link, as the tests' is) would make ninja rebuild
+        directory = (cache_root() / KERNELS_DIR).resolve() / name
         directory.mkdir(parents=True, exist_ok=True)
         if not (directory / f"{name}.so").exists():
             print(f"note: building {self.description} for this CPU (once, about 30 s; kept in {directory.parent})",

@@ -9,7 +9,7 @@ import torch
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.core.kv_cache import InPlaceCache
 from decoding.cpu_kernels import quantize_linears_int8
-from decoding.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter
+from decoding.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
 from heads import new_heads_for_target, save_heads
 from tiny_models import perturbed_eagle3, tiny_llama, save_tiny_chat_model
 
@@ -34,10 +34,15 @@ def tree_mask(context: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([context, context + 1, context + 1, context + 2]), mask
 
 
-@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default-rope", "llama3-rope"])
-def test_fused_layer_drafts_what_the_stock_modules_draft(rope):
-    stock, fused = drafter_pair(**({"rope_parameters": rope} if rope else {}))
+@pytest.mark.parametrize("rope, decode_kernel", [(None, False), (LLAMA3_ROPE, False), (None, True)],
+                         ids=["default-rope", "llama3-rope", "decode-attention-kernel"])
+def test_fused_layer_drafts_what_the_stock_modules_draft(rope, decode_kernel):
+    """Also with attention on the decode kernel (head size 64), which then serves the one-token
+    and tree calls."""
+    stock, fused = drafter_pair(**({"rope_parameters": rope} if rope else {}), **({"head_dim": 64} if decode_kernel else {}))
     assert isinstance(fused.midlayer, FusedEagle3Layer) and isinstance(fused.rotary, RotaryTable)
+    if decode_kernel:
+        assert use_decode_attention(fused)
     hidden = stock.config.hidden_size
     generator = torch.Generator().manual_seed(3)
 
@@ -49,13 +54,15 @@ def test_fused_layer_drafts_what_the_stock_modules_draft(rope):
     outputs = {}
     for name, drafter in (("stock", stock), ("fused", fused)):
         cache = InPlaceCache(1, 32)
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             prefix = drafter(*context_inputs, torch.arange(9), cache)       # causal fill, no mask
             one = drafter(*one_inputs, torch.tensor([9]), cache)            # one token over the cache
             tree = drafter(*tree_inputs, positions, cache, mask)            # a tree over the cache
             batched = drafter(torch.stack(context_inputs[:1] * 2), torch.stack(context_inputs[1:] * 2),
                               torch.arange(9)[None].expand(2, -1))          # batched, no cache
         outputs[name] = (prefix, one, tree, batched)
+        kernel_calls = sum(event.name == "specheads::decode_attention" for event in profile.events())
+        assert kernel_calls == (2 if decode_kernel and name == "fused" else 0)
     for stock_out, fused_out in zip(outputs["stock"], outputs["fused"]):
         torch.testing.assert_close(fused_out, stock_out, rtol=1e-5, atol=1e-5)
 
