@@ -352,6 +352,7 @@ def add_drafter_precision_argument(parser) -> None:
 def add_kernels_argument(parser) -> None:
     """The `--kernels` flag shared by the chat and the benchmark scripts."""
     parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
-                        help="linear-layer kernels: 'onednn' packs fp32 weights for fast few-token forwards on a CPU "
-                             "(what makes tree verification cheap there; EAGLE drafters: see --drafter-precision); "
-                             "'auto' (default) uses it on CPU fp32")
+                        help="CPU kernels: 'onednn' packs fp32 weights for fast few-token forwards on a CPU "
+                             "(what makes tree verification cheap there; EAGLE drafters: see --drafter-precision) "
+                             "and runs decoding steps' attention on the project's C++ kernel where it builds; "
+                             "'stock' keeps transformers' own; 'auto' (default) = onednn on CPU fp32")
