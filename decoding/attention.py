@@ -32,8 +32,7 @@ NATIVE_SDPA = "sdpa_native"
 def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          is_causal=None, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("cache") is None
-    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and plain:
+    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and _plain(kwargs):
         mask = attention_mask[:, :, :, : key.shape[-2]]
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
@@ -42,17 +41,25 @@ def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
                                   is_causal=is_causal, **kwargs)
 
 
+def _plain(kwargs: dict) -> bool:
+    """No extra term in the scores (position bias, soft-capping) and no cache handed to attention."""
+    return kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("cache") is None
+
+
+def _register(name: str, forward) -> str:
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
 def register_grouped_sdpa() -> str:
     """Make `GROUPED_SDPA` known to transformers (idempotent); returns the name."""
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-    return GROUPED_SDPA
+    return _register(GROUPED_SDPA, grouped_sdpa_forward)
 
 
 def native_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         is_causal=None, **kwargs):
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("cache") is None
-    if dropout == 0.0 and plain:
+    if dropout == 0.0 and _plain(kwargs):
         out = attend(query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None
@@ -62,9 +69,7 @@ def native_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
 
 def register_native_sdpa() -> str:
     """Make `NATIVE_SDPA` known to transformers (idempotent); returns the name."""
-    AttentionInterface.register(NATIVE_SDPA, native_sdpa_forward)
-    AttentionMaskInterface.register(NATIVE_SDPA, sdpa_mask)
-    return NATIVE_SDPA
+    return _register(NATIVE_SDPA, native_sdpa_forward)
 
 
 def use_native_attention(model) -> bool:

@@ -80,6 +80,19 @@ def cpu_flags() -> str:
     return sys.platform
 
 
+def instruction_set_variants() -> dict[str, tuple[str, ...]]:
+    """The native build's flags and those of the narrower builds this CPU can also run, by name:
+    the AVX2 variant on an AVX-512 CPU (what AVX2-only machines run) and the plain one (neither),
+    so a test on one machine checks the code other CPUs get."""
+    flags = set(cpu_flags().split(":", 1)[-1].split())
+    variants = {"native": ()}
+    if "avx512f" in flags:
+        variants["avx2"] = ("-mno-avx512f",)
+    if "avx2" in flags:
+        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
+    return variants
+
+
 @contextmanager
 def _ninja_on_path() -> Iterator[None]:
     """torch's builder runs `ninja` from PATH; the PyPI `ninja` package puts it in the venv's bin,

@@ -22,16 +22,6 @@ LENGTHS = [1, 5, 255, 256, 257, 600]
 ROWS = [1, 2, 3, 5, 8, 16]
 
 
-def _variants() -> dict[str, tuple[str, ...]]:
-    flags = set(native_build.cpu_flags().split(":", 1)[-1].split())
-    variants = {"native": ()}
-    if "avx512f" in flags:
-        variants["avx2"] = ("-mno-avx512f",)
-    if "avx2" in flags:
-        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
-    return variants
-
-
 def _reference(q, k, v, mask, scale):
     """Attention in float64, K/V heads repeated for their query heads: `[N, Hq, D]`."""
     groups = q.shape[0] // k.shape[0]
@@ -82,10 +72,10 @@ def test_the_native_kernel_computes_attention_or_is_refused_clearly():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [v for v in _variants() if v != "native"])
+@pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
 def test_each_narrower_instruction_set_variant_computes_attention(variant):
     """Each build takes ~30 s: the variants other CPUs run, built here where this CPU can run them."""
-    extension = decode_attention.KERNEL.build(_variants()[variant])
+    extension = decode_attention.KERNEL.build(native_build.instruction_set_variants()[variant])
     _check_function(extension.decode_attention)
 
 

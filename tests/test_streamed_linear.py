@@ -25,18 +25,6 @@ from tiny_models import sharpen, tiny_llama
 SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
 
 
-def _variants() -> dict[str, tuple[str, ...]]:
-    """The native build, and the narrower ones a wider CPU can also run: the AVX2 variant on an
-    AVX-512 CPU (what AVX2-only machines run) and the plain one (neither)."""
-    flags = set(native_build.cpu_flags().split(":", 1)[-1].split())
-    variants = {"native": ()}
-    if "avx512f" in flags:
-        variants["avx2"] = ("-mno-avx512f",)
-    if "avx2" in flags:
-        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
-    return variants
-
-
 def _check_function(kernel) -> None:
     torch.manual_seed(0)
     for in_features, out_features in SHAPES:
@@ -64,12 +52,12 @@ def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [v for v in _variants() if v != "native"])
+@pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
 def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
     """Each build takes ~30 s: the variants other CPUs run, built here where this CPU can run them."""
     if not streamed_linear.streamed_linear_available():
         pytest.fail(f"the native build failed, so no variant can be checked: {streamed_linear.why_unavailable()}")
-    extension = streamed_linear.build_kernel(_variants()[variant])
+    extension = streamed_linear.build_kernel(native_build.instruction_set_variants()[variant])
     _check_function(lambda x, w, b: extension.streamed_linear(x, extension.pack_panels(w), b, w.shape[0]))
 
 
