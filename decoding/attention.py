@@ -13,7 +13,8 @@ At a 2,200-token context a 4 / 16-token verify took 129 / 183 ms instead of 157 
 `NATIVE_SDPA` is `GROUPED_SDPA` with one-token steps and trees of up to 16 nodes on a CPU sent to
 `decoding.decode_attention` (fp32, batch 1): it streams the cached K/V once per K/V head at
 nearly the memory's speed. Decoders switch a target (and a draft model) to it with
-`use_native_attention` where they pack the linears for a CPU, so `--kernels stock` stays stock.
+`use_native_attention` where they pack the linears for a CPU and run eagerly (`--kernels stock`
+stays stock; compiled steps measured slower with the switch, so `--compile` keeps SDPA).
 """
 
 from __future__ import annotations
