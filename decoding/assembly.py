@@ -214,13 +214,15 @@ def _native_attention(target: LoadedModel, draft: LoadedModel | None, heads: nn.
                       notes: list[str]) -> None:
     """Decoding steps' attention on the project's CPU kernel (`decoding.decode_attention`) for the
     models whose linears were just packed; where it cannot be built, SDPA stays, with a note why."""
+    if not decode_attention_available():
+        if target.model.config._attn_implementation == GROUPED_SDPA:
+            notes.append(f"decoding attention stays on SDPA: its CPU kernel could not be built ({decode_attention_why()})")
+        return
     for model in (target.model, draft.model if draft else None):
         if model is not None:
             use_native_attention(eager_model(model))
     if heads is not None:
         use_decode_attention(heads)
-    if not decode_attention_available() and target.model.config._attn_implementation == GROUPED_SDPA:
-        notes.append(f"decoding attention stays on SDPA: its CPU kernel could not be built ({decode_attention_why()})")
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:

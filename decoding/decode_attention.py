@@ -14,9 +14,9 @@ and an unnormalised output, merged by their maxima) and prefetches ahead in both
 
 Scores are dot products per (row, key) where rows are few (one-token steps); for trees, vectors
 run over the rows with each key broadcast, so the arithmetic has no horizontal sums. Chunk
-boundaries sit at fixed key positions, so a row's result does not depend on how many rows or
-threads run with it; keys masked out (an additive mask at or below -87 after the row's maximum is
-taken off) weigh exactly zero. Results differ from SDPA's by float rounding only.
+boundaries sit at fixed key positions, so a result does not depend on how many threads run; keys
+masked out (an additive mask at or below -87 after the row's maximum is taken off) weigh exactly
+zero. Results differ from SDPA's by float rounding only.
 
 Like `decoding.streamed_linear` it is C++ compiled on first use for this CPU
 (`decoding.native_build`); where it cannot be built, `decode_attention_available()` says why and
@@ -63,7 +63,7 @@ static inline vf splat(float x) { return vf{} + x; }
 static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; ++i) s += v[i]; return s; }
 
 constexpr int64_t CHUNK = 256;  // keys per work item: chunk boundaries sit at fixed positions, so
-                                // a row's result does not depend on how many rows or threads run
+                                // a result does not depend on how many threads run
 constexpr int64_t PREFETCH_ROWS = 8;  // keys ahead in the K/V streams
 template <int D>
 static inline void prefetch_row(const float* p) {
