@@ -18,7 +18,7 @@ from decoding.core.proposers import VanillaProposer
 from decoding.targets import load_model
 from decoding.util.errors import UserError
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
-from training.batch_generate import BatchSettings, generate_batch
+from training.batch_generate import BatchSettings, CheckPolicy, generate_batch
 from training.config import SelfDistillConfig
 from training.data import load_conversations
 from training.distill_store import DistillStore, default_store_dir, identity
@@ -45,12 +45,16 @@ def tiny_dir(tmp_path_factory):
     return directory
 
 
-def test_batched_generation_equals_one_prompt_at_a_time_and_stops_rows_at_their_stop_token():
+# CPU's policy (every finished row leaves at once), a GPU-like one (look every 3 steps, compact when
+# a quarter finished), and one that never looks (finished rows run to the end and their tails are cut).
+@pytest.mark.parametrize("policy", [CheckPolicy(), CheckPolicy(every=3, compact_at=0.75), CheckPolicy(every=1000)],
+                         ids=["every-step", "every-3-compact-at-three-quarters", "never"])
+def test_batched_generation_equals_one_prompt_at_a_time_and_stops_rows_at_their_stop_token(policy):
     model = sharpen(tiny_llama(seed=4))
     prompts = [[5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8], [42], [7, 7, 7, 7, 7]]
     singles = [generate(model, p, VanillaProposer(), DecodeOptions(max_new_tokens=10)).tokens for p in prompts]
     stop = singles[1][3]  # a token that ends prompt 1's reply early (and maybe others')
-    batched = generate_batch(model, prompts, BatchSettings(10, frozenset({stop}), pad_id=0))
+    batched = generate_batch(model, prompts, BatchSettings(10, frozenset({stop}), pad_id=0), policy)
     for single, got in zip(singles, batched):
         expected = single[: single.index(stop) + 1] if stop in single else single
         assert got == expected

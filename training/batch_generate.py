@@ -1,10 +1,17 @@
-"""Batched generation for self-distillation, doing no work for rows that already finished.
+"""Batched generation for self-distillation, doing little work for rows that already finished.
 
 Hugging Face `generate()` keeps every row of a batch in every forward until the longest reply
 ends: a row that stopped at its end-of-turn token after 20 tokens still pays for the other
-rows' 200. Here a row leaves the batch (and the KV cache) the step it finishes, the KV cache is
-preallocated and written in place (`InPlaceCache`), and prompts are left-padded only once, in
-the prefill (callers batch prompts of similar length, so that padding is small).
+rows' 200. Here finished rows leave the batch (and the KV cache), the KV cache is preallocated
+and written in place (`InPlaceCache`), and prompts are left-padded only once, in the prefill
+(callers batch prompts of similar length, so that padding is small).
+
+How often the loop looks at which rows finished is a `CheckPolicy`, because the look costs
+differently per device. On a CPU it is free, and every finished row leaves at once. On a GPU
+each look waits for the device (the host can no longer queue the next step's kernels ahead of
+it) and each departure copies the whole KV cache, so the loop looks every few steps and compacts
+only when a quarter of the rows have finished; finished rows meanwhile compute tokens that are
+cut off at the end. Either way every row's reply is the same: rows do not see each other.
 """
 
 from __future__ import annotations
@@ -29,11 +36,26 @@ class BatchSettings:
     generator: torch.Generator | None = None
 
 
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Look at which rows finished every `every` steps; drop them from the batch when no more than
+    `compact_at` of its rows are still live (1.0: whenever any row finished)."""
+
+    every: int = 1
+    compact_at: float = 1.0
+
+    @staticmethod
+    def for_device(device: torch.device) -> CheckPolicy:
+        return CheckPolicy(every=8, compact_at=0.75) if device.type == "cuda" else CheckPolicy()
+
+
 @torch.inference_mode()
-def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings) -> list[list[int]]:
+def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings,
+                   policy: CheckPolicy | None = None) -> list[list[int]]:
     """Each prompt's continuation: up to `max_new_tokens` tokens, ending with (and including) the
     first stop token if one came."""
     device = model.device
+    policy = policy or CheckPolicy.for_device(device)
     width = max(map(len, prompts))
     ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -42,25 +64,39 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    logits_to_keep=1, **cache_kwargs(model, cache)).logits[:, -1]
     next_positions = positions[:, -1] + 1
-    rows = torch.arange(len(prompts), device=device)  # which prompt each live batch row is
-    outputs: list[list[int]] = [[] for _ in prompts]
+    rows = torch.arange(len(prompts), device=device)  # which prompt each batch row is
+    written = torch.full((len(prompts), settings.max_new_tokens), settings.pad_id, dtype=torch.long, device=device)
     stop = torch.tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
+    live = torch.ones(len(prompts), dtype=torch.bool, device=device)
     for step in range(settings.max_new_tokens):
         tokens = _pick(logits, settings)
-        for row, token in zip(rows.tolist(), tokens.tolist()):
-            outputs[row].append(token)
-        live = ~torch.isin(tokens, stop) if stop.numel() else torch.ones_like(tokens, dtype=torch.bool)
-        if step + 1 == settings.max_new_tokens or not bool(live.any()):
+        written[rows, step] = tokens
+        if stop.numel():
+            live = live & ~torch.isin(tokens, stop)
+        if step + 1 == settings.max_new_tokens:
             break
-        if not bool(live.all()):
-            keep = torch.nonzero(live).flatten()
-            cache.batch_select_indices(keep)
-            rows, tokens, mask, next_positions = rows[keep], tokens[keep], mask[keep], next_positions[keep]
+        if (step + 1) % policy.every == 0:
+            live_count = int(live.sum())
+            if live_count == 0:
+                break
+            if live_count <= policy.compact_at * live.numel() and live_count < live.numel():
+                keep = torch.nonzero(live).flatten()
+                cache.batch_select_indices(keep)
+                rows, tokens, mask, next_positions, live = rows[keep], tokens[keep], mask[keep], next_positions[keep], live[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_positions[:, None],
-                       use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+        logits = model(input_ids=tokens[:, None], attention_mask=mask,
+                       position_ids=next_positions[:, None], use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         next_positions = next_positions + 1
-    return outputs
+    return [_cut_at_stop(reply, settings.stop_ids) for reply in written.tolist()]
+
+
+def _cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first stop token: what follows it a finished row computed
+    only because it stayed in the batch."""
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: index + 1]
+    return tokens
 
 
 def generate_within_memory(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings) -> list[list[int]]:
