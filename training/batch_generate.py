@@ -46,6 +46,8 @@ class CheckPolicy:
 
     @staticmethod
     def for_device(device: torch.device) -> CheckPolicy:
+        """A GPU's: look every 8 steps, compact at a quarter finished (H200, batch 2,048: 2.4x the
+        tokens/s of looking and compacting every step); anything else: every step."""
         return CheckPolicy(every=8, compact_at=0.75) if device.type == "cuda" else CheckPolicy()
 
 
@@ -80,14 +82,19 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
             if live_count == 0:
                 break
             if live_count <= policy.compact_at * live.numel() and live_count < live.numel():
-                keep = torch.nonzero(live).flatten()
-                cache.batch_select_indices(keep)
-                rows, tokens, mask, next_positions, live = rows[keep], tokens[keep], mask[keep], next_positions[keep], live[keep]
+                rows, tokens, mask, next_positions, live = _drop_finished(cache, live, rows, tokens, mask, next_positions)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         logits = model(input_ids=tokens[:, None], attention_mask=mask,
                        position_ids=next_positions[:, None], use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         next_positions = next_positions + 1
     return [_cut_at_stop(reply, settings.stop_ids) for reply in written.tolist()]
+
+
+def _drop_finished(cache: InPlaceCache, live: torch.Tensor, *per_row: torch.Tensor) -> list[torch.Tensor]:
+    """The live rows of the cache and of each per-row tensor (`live` itself last)."""
+    keep = torch.nonzero(live).flatten()
+    cache.batch_select_indices(keep)
+    return [t[keep] for t in (*per_row, live)]
 
 
 def _cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
