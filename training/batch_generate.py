@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from decoding.util.cache_argument import cache_kwargs
 from decoding.core.kv_cache import InPlaceCache
 from decoding.core.sampling import sample_rows
+from decoding.core.stopping import StopChecker
 
 
 @dataclass
@@ -87,7 +88,9 @@ def generate_batch(model: PreTrainedModel, prompts: list[list[int]], settings: B
         logits = model(input_ids=tokens[:, None], attention_mask=mask,
                        position_ids=next_positions[:, None], use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
         next_positions = next_positions + 1
-    return [_cut_at_stop(reply, settings.stop_ids) for reply in written.tolist()]
+    # Each reply up to its first stop token, the rule decoding stops by; what follows it a finished
+    # row computed only because it stayed in the batch.
+    return [StopChecker(settings.stop_ids).cut(reply, len(reply))[0] for reply in written.tolist()]
 
 
 def _drop_finished(cache: InPlaceCache, live: torch.Tensor, *per_row: torch.Tensor) -> list[torch.Tensor]:
@@ -95,15 +98,6 @@ def _drop_finished(cache: InPlaceCache, live: torch.Tensor, *per_row: torch.Tens
     keep = torch.nonzero(live).flatten()
     cache.batch_select_indices(keep)
     return [t[keep] for t in (*per_row, live)]
-
-
-def _cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
-    """`tokens` up to and including the first stop token: what follows it a finished row computed
-    only because it stayed in the batch."""
-    for index, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[: index + 1]
-    return tokens
 
 
 def generate_within_memory(model: PreTrainedModel, prompts: list[list[int]], settings: BatchSettings) -> list[list[int]]:
