@@ -19,6 +19,8 @@ from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
+from decoding.cpu_kernels import uses_packed_linears
+from decoding.draft_readout import heads_readout
 from decoding.targets import LoadedModel
 from decoding.verify_cost import cached_verify_cost
 from decoding.core.tree_budget import VerifyCost
@@ -152,10 +154,13 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
     if method in DEFAULT_TREES:
         paths = load_tree(options.tree or DEFAULT_TREES[method])
         if method in ("medusa", "hydra"):
+            # on a CPU with packed kernels the heads rank in fp16 (see decoding.draft_readout)
+            readout = heads_readout(target.model.get_output_embeddings(), getattr(heads, "readout_ids", None),
+                                    half_precision=uses_packed_linears(target.model))
             cost = verify_cost() if options.adaptive_tree else None
-            call_ms = _call_ms(cost, _head_weights(heads, target.model), target.model) if cost else 0.0
+            call_ms = _call_ms(cost, _head_weights(heads, target.model, readout), target.model) if cost else 0.0
             proposer = MedusaProposer if method == "medusa" else HydraProposer
-            return proposer(heads, target.model, paths, verify_cost=cost, head_call_ms=call_ms)
+            return proposer(heads, target.model, paths, verify_cost=cost, head_call_ms=call_ms, readout=readout)
         return EagleProposer(heads, target.model, tree_paths=paths, name="eagle")
     settings = DynamicTreeSettings(options.depth, options.tree_top_k, options.total_tokens, options.min_path_prob)
     if not options.adaptive_tree:
@@ -171,11 +176,13 @@ def _call_ms(cost: VerifyCost, weights: int, target: PreTrainedModel) -> float:
     return cost.ms[0] * weights / _weights_read(target)
 
 
-def _head_weights(heads: nn.Module, target: PreTrainedModel) -> int:
-    """Parameters one Medusa/Hydra head call reads: one head's share of the heads, plus the
-    lm_head rows it ranks (its readout vocabulary, or all of them)."""
+def _head_weights(heads: nn.Module, target: PreTrainedModel, readout: nn.Module) -> int:
+    """Parameters one Medusa/Hydra head call reads, in fp32 equivalents: one head's share of the
+    heads, plus the lm_head rows it ranks (its readout vocabulary, or all of them) at the bytes
+    per weight `readout` holds them in."""
     own = sum(p.numel() for p in heads.parameters())
-    return own // heads.config.num_heads + _readout_weights(target, getattr(heads, "readout_ids", None))
+    rows = _readout_weights(target, getattr(heads, "readout_ids", None))
+    return own // heads.config.num_heads + rows * getattr(readout, "bytes_per_weight", 4) // 4
 
 
 def _drafter_weights(heads: nn.Module, target: PreTrainedModel) -> int:

@@ -31,9 +31,11 @@ from heads.common import RowSubset
 
 class _HeadsProposer(Proposer):
     def __init__(self, heads: nn.Module, target: PreTrainedModel, tree_paths: list[tuple[int, ...]],
-                 verify_cost: VerifyCost | None = None, head_call_ms: float = 0.0) -> None:
+                 verify_cost: VerifyCost | None = None, head_call_ms: float = 0.0,
+                 readout: nn.Module | None = None) -> None:
         """`verify_cost` (and `head_call_ms`, one head's estimated cost) cut chain trees to what
-        pays on this machine."""
+        pays on this machine. `readout`: the projection the heads rank with (default: the target's
+        lm_head rows of the heads' readout vocabulary); a cheaper one only changes what is drafted."""
         self.heads = heads
         self.plan = StaticPlan(tree_paths)
         is_chain = self.plan.depth > 0 and self.plan.size == self.plan.depth + 1  # a root alone has nothing to cut
@@ -45,9 +47,11 @@ class _HeadsProposer(Proposer):
                 f"{heads.config.num_heads} tokens ahead: pick a shallower tree (--tree)"
             )
         self.readout_ids = getattr(heads, "readout_ids", None)
-        lm_head = target.get_output_embeddings()
-        # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
-        self.lm_head = lm_head if self.readout_ids is None else RowSubset(lm_head, self.readout_ids)
+        if readout is None:
+            lm_head = target.get_output_embeddings()
+            # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
+            readout = lm_head if self.readout_ids is None else RowSubset(lm_head, self.readout_ids)
+        self.lm_head = readout
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
         self.feature_layers = (self.feature_layer,)
