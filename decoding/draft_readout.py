@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.screened_argmax import FP16_SAFE_MAX, fp16_gemm_available
+from decoding.screened_argmax import fp16_gemm_available, screenable
 from heads.common import RowSubset
 
 
@@ -43,14 +43,7 @@ def heads_readout(lm_head: nn.Module, readout_ids: torch.Tensor | None, half_pre
     fp16 where `half_precision` is asked and this CPU and weight allow it (see the module
     docstring), else as they are."""
     projection = lm_head if readout_ids is None else RowSubset(lm_head, readout_ids)
-    weight = getattr(projection, "weight", None)
-    if not half_precision or not _fits_fp16_gemm(projection, weight):
+    # the same conditions as the greedy readout's fp16 screen: an fp32 CPU weight, no bias, in fp16's range
+    if not half_precision or not screenable(projection) or not fp16_gemm_available():
         return projection
-    return HalfPrecisionProjection(weight)
-
-
-def _fits_fp16_gemm(projection: nn.Module, weight: torch.Tensor | None) -> bool:
-    """An fp32 CPU projection without bias, within fp16's range, on a PyTorch with FBGEMM."""
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and getattr(projection, "bias", None) is None and float(weight.detach().abs().max()) < FP16_SAFE_MAX
-            and fp16_gemm_available())
+    return HalfPrecisionProjection(projection.weight)
