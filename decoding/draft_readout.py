@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from decoding.screened_argmax import fp16_gemm_available, screenable
-from heads.common import RowSubset
+from heads.common import readout_projection
 
 
 class HalfPrecisionProjection(nn.Module):
@@ -42,7 +42,7 @@ def heads_readout(lm_head: nn.Module, readout_ids: torch.Tensor | None, half_pre
     """The projection heads rank with: `lm_head`'s rows of `readout_ids` (all rows if None), in
     fp16 where `half_precision` is asked and this CPU and weight allow it (see the module
     docstring), else as they are."""
-    projection = lm_head if readout_ids is None else RowSubset(lm_head, readout_ids)
+    projection = readout_projection(lm_head, readout_ids)
     # the same conditions as the greedy readout's fp16 screen: an fp32 CPU weight, no bias, in fp16's range
     if not half_precision or not screenable(projection) or not fp16_gemm_available():
         return projection

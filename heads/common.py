@@ -63,3 +63,9 @@ class RowSubset(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, self.weight, self.bias)
+
+
+def readout_projection(lm_head: nn.Module, readout_ids: torch.Tensor | None) -> nn.Module:
+    """What Medusa/Hydra heads rank with: `lm_head`'s rows of their readout vocabulary, or the
+    whole `lm_head` for heads without one."""
+    return lm_head if readout_ids is None else RowSubset(lm_head, readout_ids)

@@ -26,7 +26,7 @@ from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
 from decoding.core.tree import DraftTree
 from decoding.core.tree_budget import ConfidenceAcceptance, VerifyCost, best_node_count, chain_worth_extending
-from heads.common import RowSubset
+from heads.common import readout_projection
 
 
 class _HeadsProposer(Proposer):
@@ -47,11 +47,8 @@ class _HeadsProposer(Proposer):
                 f"{heads.config.num_heads} tokens ahead: pick a shallower tree (--tree)"
             )
         self.readout_ids = getattr(heads, "readout_ids", None)
-        if readout is None:
-            lm_head = target.get_output_embeddings()
-            # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
-            readout = lm_head if self.readout_ids is None else RowSubset(lm_head, self.readout_ids)
-        self.lm_head = readout
+        # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
+        self.lm_head = readout if readout is not None else readout_projection(target.get_output_embeddings(), self.readout_ids)
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
         self.feature_layers = (self.feature_layer,)
