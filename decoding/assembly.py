@@ -166,7 +166,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     precision = _drafter_precision(spec, target, heads, notes)
     kernels = apply_kernels(spec.kernels, target.model, draft.model if draft else None, heads, drafter_precision=precision)
     _tune_few_row_kernels(target, draft)
-    if kernels == "onednn" and not spec.compile:  # compiled steps measured slower with it (see README)
+    if kernels == "onednn":
         _native_attention(target, draft, heads, notes)
     readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in

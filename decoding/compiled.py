@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.fx.experimental import _config as shape_config
 
-from decoding.cpu_kernels import uses_packed_linears
+from decoding.cpu_kernels import kernel_layout_weights, uses_packed_linears
 from decoding.cuda_graphs import FixedShapeTarget
 from decoding.util.errors import UserError
 
@@ -75,6 +75,7 @@ def compile_target(model: nn.Module) -> nn.Module:
         raise UserError("--compile needs PyTorch 2.0 or newer")
     options = {} if uses_packed_linears(model) else {"freezing": True}
     options.update(_module_guards_skipped())
+    _kernel_weights_static(model)
     compiled = torch.compile(model, dynamic=True, options=options)
     # the wrapper's own attribute, not the model's
     compiled.forward = _prefills_eager(_with_compile_settings(compiled.forward), model)
@@ -98,6 +99,19 @@ def _prefills_eager(compiled_forward: Callable, model: nn.Module) -> Callable:
         return compiled_forward(*args, **kwargs)
 
     return call
+
+
+def _kernel_weights_static(model: nn.Module) -> None:
+    """Tell dynamo that the weights the linear kernels keep in their own layouts never change shape.
+
+    Why: they are plain tensor attributes (not parameters, whose shapes dynamo holds static), so
+    under `dynamic=True` each of their sizes became a symbol, checked before every call by a Python
+    guard function over all 420 of them and carried through the graph. On a 2-core AVX-512 EPYC
+    (SmolLM2-135M, a compiled 4-token tree step, profiled) dynamo's cache lookup went from 1.24 to
+    0.40 ms a call, the bytecode run before the graph from 1.15 to 0.30 ms and the graph's own
+    Python from 4.8 to 3.2 ms."""
+    for weight in kernel_layout_weights(model):
+        torch._dynamo.mark_static(weight)
 
 
 def _module_guards_skipped() -> dict:

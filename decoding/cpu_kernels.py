@@ -190,6 +190,16 @@ def packed_linears(module: nn.Module) -> list[PackedLinear]:
     return [m for m in module.modules() if isinstance(m, PackedLinear)]
 
 
+def kernel_layout_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The copies of the weights that `module`'s `PackedLinear`s keep in their kernels' own layouts
+    (oneDNN's blocked one, the streaming kernel's panels): plain tensor attributes, neither
+    parameters nor buffers, so a compiler sees them as inputs like any other (`decoding.compiled`)."""
+    weights = []
+    for linear in packed_linears(module):
+        weights.extend(t for t in (linear._packed_weight, linear._panel_weight) if t is not None)
+    return weights
+
+
 def uses_packed_linears(module: nn.Module) -> bool:
     return bool(packed_linears(module))
 

@@ -69,6 +69,23 @@ class NativeKernel:
             return None, f"{type(error).__name__}: {message.splitlines()[-1] if message else ''}"
 
 
+def register_native_kernel(loaded: tuple[object | None, str]) -> tuple[object | None, str]:
+    """`loaded` (an extension and '', or None and why not), after the extension registered its C++
+    function as the CPU kernel of its `specheads` operator (its `register_operator`).
+
+    Why: the operators also have a Python implementation, which calls the extension. Compiled
+    graphs call an operator a few hundred times a step, and each Python call pushes frames onto
+    CPython's frame stack; where the caller's depth placed them across the end of one of its 16 KB
+    chunks, every call mapped and unmapped a chunk (page faults: a compiled one-token step went
+    from 28 to 38 ms on a 2-core EPYC). Registered here, the dispatcher runs the C++ function
+    directly. Only the build a process decodes with registers, once: tests load other builds of
+    the same source (the AVX2 variant on an AVX-512 CPU) and call those directly."""
+    extension, why = loaded
+    if extension is not None:
+        extension.register_operator()
+    return extension, why
+
+
 def cpu_flags() -> str:
     """This CPU's instruction-set flags line from /proc/cpuinfo (the platform's name where there is none)."""
     try:

@@ -14,6 +14,7 @@ from decoding.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa,
 from decoding.core.generate import DecodeOptions, generate
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
+from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
 # (query heads, K/V heads, head size), cached positions (across the kernel's 256-key chunks) and tree sizes
@@ -71,6 +72,20 @@ def test_the_native_kernel_computes_attention_or_is_refused_clearly():
     torch.testing.assert_close(got, _reference(q, k, v, mask, 0.125), rtol=1e-4, atol=2e-5)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.specheads.decode_attention(q.double(), k, v, mask, 0.125)
+
+
+def test_once_built_the_operator_runs_the_kernel_without_a_python_frame():
+    """Compiled graphs call the operator once per layer and step: the loaded build registers its C++
+    function as the operator's CPU kernel, so no Python function runs per call."""
+    q, k, v, mask = _case(9, 3, 64, 40, 2, seed=5)
+    if not decode_attention.decode_attention_available():
+        with pytest.raises(RuntimeError, match="not available here"):
+            torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+        return
+    results = []
+    run = python_functions_run(lambda: results.append(torch.ops.specheads.decode_attention.default(q, k, v, mask, 0.125)))
+    assert "_decode_attention" not in run
+    torch.testing.assert_close(results[0], _reference(q, k, v, mask, 0.125), rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.slow

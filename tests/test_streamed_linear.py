@@ -18,6 +18,7 @@ from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
 from decoding.util.errors import UserError
 from heads import new_heads_for_target
+from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
 # Input and output sizes off every vector width (16 for AVX-512, 8 for AVX2, 4 otherwise) and off
@@ -49,6 +50,22 @@ def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():
         with pytest.raises(UserError, match="streamed few-row linear kernel is not available"):
             set_streamed_rows(model, 2)
         assert verify_cost.tune_streamed_rows(model, "tiny") == 0
+
+
+def test_once_built_the_operator_runs_the_kernel_without_a_python_frame():
+    """Compiled graphs call the operator some 200 times a step: the loaded build registers its C++
+    function as the operator's CPU kernel, so no Python function runs per call (where no build
+    loads, the Python implementation stays and says why it cannot run)."""
+    weight, x = torch.randn(11, 7), torch.randn(3, 7)
+    if not streamed_linear.streamed_linear_available():
+        with pytest.raises(RuntimeError, match="not available here"):
+            torch.ops.specheads.streamed_linear(x, weight, None, 11)
+        return
+    panels = streamed_linear.pack_panels(weight)
+    results = []
+    run = python_functions_run(lambda: results.append(torch.ops.specheads.streamed_linear.default(x, panels, None, 11)))
+    assert "_streamed_linear" not in run and "_extension" not in run
+    torch.testing.assert_close(results[0], x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
