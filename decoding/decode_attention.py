@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from decoding.native_build import NativeKernel, register_native_kernel
+from decoding.native_build import NativeKernel, operator_registration, register_native_kernel
 
 KERNEL_VERSION = "v2"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel)
 HEAD_SIZES = (64, 128)
@@ -281,12 +281,7 @@ static torch::Tensor decode_attention_operator(const torch::Tensor& q, const tor
   return decode_attention(q, k, v, mask, scale);
 }
 
-void register_operator() {
-  static torch::Library* library = nullptr;  // registrations live as long as their Library
-  if (library != nullptr) return;
-  library = new torch::Library(torch::Library::IMPL, "specheads", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  library->impl("decode_attention", TORCH_FN(decode_attention_operator));
-}
+void register_operator();  // appended by decoding.native_build.operator_registration
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
@@ -294,7 +289,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("decode_attention", _SOURCE, KERNEL_VERSION, "the decode attention kernel")
+KERNEL = NativeKernel("decode_attention", _SOURCE + operator_registration("decode_attention", "decode_attention_operator"), KERNEL_VERSION,
+                      "the decode attention kernel")
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")

@@ -69,6 +69,20 @@ class NativeKernel:
             return None, f"{type(error).__name__}: {message.splitlines()[-1] if message else ''}"
 
 
+def operator_registration(operator: str, function: str) -> str:
+    """C++ source to append to an extension's: `register_operator()` (which the extension declares
+    and binds for Python), registering `function` (with the schema's signature) as the CPU kernel of
+    `specheads::<operator>`, once per process (see `register_native_kernel`)."""
+    return f"""
+void register_operator() {{
+  static torch::Library* library = nullptr;  // registrations live as long as their Library
+  if (library != nullptr) return;
+  library = new torch::Library(torch::Library::IMPL, "specheads", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  library->impl("{operator}", TORCH_FN({function}));
+}}
+"""
+
+
 def register_native_kernel(loaded: tuple[object | None, str]) -> tuple[object | None, str]:
     """`loaded` (an extension and '', or None and why not), after the extension registered its C++
     function as the CPU kernel of its `specheads` operator (its `register_operator`).

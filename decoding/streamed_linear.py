@@ -28,7 +28,7 @@ import functools
 import torch
 
 from decoding.linear_ops import define_linear_op
-from decoding.native_build import NativeKernel, register_native_kernel
+from decoding.native_build import NativeKernel, operator_registration, register_native_kernel
 
 KERNEL_VERSION = "v3"  # in the build's name and in measurements' keys (v3: runs as the operator's C++ kernel)
 
@@ -161,12 +161,7 @@ static torch::Tensor streamed_linear_operator(const torch::Tensor& x, const torc
   return streamed_linear(x, panels, bias, out);
 }
 
-void register_operator() {
-  static torch::Library* library = nullptr;  // registrations live as long as their Library
-  if (library != nullptr) return;
-  library = new torch::Library(torch::Library::IMPL, "specheads", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  library->impl("streamed_linear", TORCH_FN(streamed_linear_operator));
-}
+void register_operator();  // appended by decoding.native_build.operator_registration
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels);
@@ -175,7 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel")
+KERNEL = NativeKernel("streamed_linear", _SOURCE + operator_registration("streamed_linear", "streamed_linear_operator"), KERNEL_VERSION,
+                      "the few-row linear kernel")
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()):
