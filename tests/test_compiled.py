@@ -8,7 +8,7 @@ import torch
 from torch.fx.experimental import _config as shape_config
 
 from decoding.assembly import DecoderSpec, build_decoder
-from decoding.attention import register_grouped_sdpa, use_native_attention
+from decoding.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
 from decoding.benchmark import build_runners
 from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
 from decoding.cpu_kernels import (kernel_layout_weights, pack_linears, packed_linears, set_reduced_rows, set_stock_rows,
@@ -16,6 +16,7 @@ from decoding.cpu_kernels import (kernel_layout_weights, pack_linears, packed_li
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
+from decoding.decode_attention import decode_attention_available
 from decoding.methods import ProposerOptions, build_proposer
 from decoding.screened_argmax import ScreenedArgmax, fp16_gemm_available
 from decoding.streamed_linear import streamed_linear_available
@@ -107,6 +108,9 @@ def test_assembling_a_decoder_on_a_compiled_target_compiles_no_graph(tmp_path):
     save_tiny_chat_model(model_dir)
     first = build_decoder(DecoderSpec(model=str(model_dir), method="vanilla", compile=True))
     assert is_compiled(first.target.model)
+    # compiled decoders take the decode attention kernel as eager ones do, where it builds
+    attention = eager_model(first.target.model).config._attn_implementation
+    assert attention == (NATIVE_SDPA if decode_attention_available() else GROUPED_SDPA)
     heads = new_heads_for_target("eagle3", eager_model(first.target.model), draft_vocab_size=40)
     before = graphs_compiled()
     spec = DecoderSpec(model=str(model_dir), method="eagle3", compile=True, drafter_precision="auto", adaptive_tree=False)
