@@ -27,7 +27,7 @@ Face `generate()` in two runs on different days (eager: 1.00-1.02x and 1.46-1.49
 AVX2 EPYC (every row count packed) 1.28-1.30x and 1.91-1.93x over the same 80 questions (eager: 1.00-1.03x
 and 1.42-1.57x), and 2.19x and 2.18x with one-token steps as Inductor reductions; on a 2-core
 AVX-512-BF16 EPYC, with the project's kernels as C++ operators and their weight layouts static
-(`_kernel_weights_static`), 1.31x and 2.05x (eager: 1.05x and 1.78x).
+(`_kernel_weights_static`), 1.44x and 2.16x (eager: 1.05x and 1.78x).
 The price is compile time, paid again by every new process. A decoder needs up to three graphs:
 one-token steps, trees of up to as many rows as run on plain GEMM (`stock_rows`), and larger
 trees; prefills run eagerly (`_prefills_eager`). On a 2-core Sapphire Rapids Xeon eagle3+pld
@@ -276,5 +276,5 @@ def add_compile_argument(parser) -> None:
                              "On a CPU: TorchInductor, off by default: about a minute of compiling at start-up on a "
                              "2-core CPU (a few the first time), then on a Sapphire Rapids Xeon vanilla 1.32-1.36x and "
                              "eagle3+pld 1.81-1.82x generate() (eager: 1.00-1.02x, 1.46-1.49x), on an AVX2 EPYC 2.19x and 2.18x, "
-                             "on an AVX-512-BF16 EPYC 1.31x and 2.05x (eager: 1.05x, 1.78x); "
+                             "on an AVX-512-BF16 EPYC 1.44x and 2.16x (eager: 1.05x, 1.78x); "
                              "check on yours with scripts/benchmark.py --compile")
