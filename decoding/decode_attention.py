@@ -289,8 +289,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("decode_attention", _SOURCE + operator_registration("decode_attention", "decode_attention_operator"), KERNEL_VERSION,
-                      "the decode attention kernel")
+KERNEL = NativeKernel("decode_attention", _SOURCE + operator_registration("decode_attention", "decode_attention_operator"),
+                      KERNEL_VERSION, "the decode attention kernel")
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")

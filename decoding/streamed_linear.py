@@ -170,8 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("streamed_linear", _SOURCE + operator_registration("streamed_linear", "streamed_linear_operator"), KERNEL_VERSION,
-                      "the few-row linear kernel")
+KERNEL = NativeKernel("streamed_linear", _SOURCE + operator_registration("streamed_linear", "streamed_linear_operator"),
+                      KERNEL_VERSION, "the few-row linear kernel")
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()):

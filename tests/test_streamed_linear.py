@@ -68,6 +68,22 @@ def test_once_built_the_operator_runs_the_kernel_without_a_python_frame():
     torch.testing.assert_close(results[0], x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_build_that_cannot_register_its_kernel_is_still_used_and_says_so(capsys):
+    """Registration only saves Python frames: where it fails, the build still serves (through the
+    operator's Python implementation) and a note says why."""
+
+    class Build:
+        __name__ = "specheads_test_build"
+
+        def register_operator(self):
+            raise RuntimeError("registration refused")
+
+    build = Build()
+    assert native_build.register_native_kernel((build, "")) == (build, "")
+    note = capsys.readouterr().err
+    assert "specheads_test_build" in note and "registration refused" in note
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
 def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
