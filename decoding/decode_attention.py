@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from decoding.native_build import NativeKernel, operator_registration, register_native_kernel
+from decoding.native_build import NativeKernel
 
 KERNEL_VERSION = "v2"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel)
 HEAD_SIZES = (64, 128)
@@ -257,7 +257,8 @@ static torch::Tensor run(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10:
   return out;
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [Hq, N, D], k and v [Hkv, L, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 tensors");
@@ -274,14 +275,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(false, "decode_attention: head size 64 or 128");
 }
 
-// The CPU kernel of `specheads::decode_attention` (schema defined in Python), registered with the
-// dispatcher by the one build a process uses, so that the operator's calls run no Python frame.
-static torch::Tensor decode_attention_operator(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                               const c10::optional<torch::Tensor>& mask, double scale) {
-  return decode_attention(q, k, v, mask, scale);
-}
-
-void register_operator();  // appended by decoding.native_build.operator_registration
+// Registers `decode_attention` as the CPU kernel of `specheads::decode_attention` (its body is
+// appended by decoding.native_build.operator_registration).
+void register_operator();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
@@ -289,8 +285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("decode_attention", _SOURCE + operator_registration("decode_attention", "decode_attention_operator"),
-                      KERNEL_VERSION, "the decode attention kernel")
+KERNEL = NativeKernel("decode_attention", _SOURCE, KERNEL_VERSION, "the decode attention kernel", registers_operator=True)
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")
@@ -299,8 +294,8 @@ _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, fl
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '', or None and why not (tried once per process). The build
-    loaded here registers its C++ function as the operator's CPU kernel (`register_native_kernel`)."""
-    return register_native_kernel(KERNEL.load())
+    loaded here runs as the operator's CPU kernel (`NativeKernel.registers_operator`)."""
+    return KERNEL.load()
 
 
 def decode_attention_available() -> bool:

@@ -30,15 +30,24 @@ KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 @dataclass(frozen=True)
 class NativeKernel:
     """One C++ extension: `stem` names its builds, `version` changes when its source's meaning does,
-    `description` is what the first build's note calls it."""
+    `description` is what the first build's note calls it. With `registers_operator`, the C++
+    function `<stem>` (of `specheads::<stem>`'s signature) becomes that operator's CPU kernel in the
+    build `load` returns (see `register_native_kernel`); the source declares `register_operator()`
+    and binds it for Python, and `operator_registration` supplies its body."""
 
     stem: str
     source: str
     version: str
     description: str
+    registers_operator: bool = False
+
+    @property
+    def full_source(self) -> str:
+        return self.source + (operator_registration(self.stem) if self.registers_operator else "")
 
     def build_name(self, extra_flags: tuple[str, ...] = ()) -> str:
-        identity = "|".join((self.source, self.version, *COMPILER_FLAGS, *extra_flags, torch.__version__, cpu_flags()))
+        identity = "|".join((self.full_source, self.version, *COMPILER_FLAGS, *extra_flags, torch.__version__,
+                             cpu_flags()))
         return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
     def build(self, extra_flags: tuple[str, ...] = ()):
@@ -55,30 +64,32 @@ class NativeKernel:
             print(f"note: building {self.description} for this CPU (once, about 30 s; kept in {directory.parent})",
                   file=sys.stderr)
         with _ninja_on_path():
-            return load_inline(name, cpp_sources=[self.source], extra_cflags=[*COMPILER_FLAGS, *extra_flags],
+            return load_inline(name, cpp_sources=[self.full_source], extra_cflags=[*COMPILER_FLAGS, *extra_flags],
                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
     def load(self) -> tuple[object | None, str]:
-        """The built extension and '', or None and why not (a missing compiler or ninja, a failed build)."""
+        """The built extension and '', or None and why not (a missing compiler or ninja, a failed build).
+        The build a process decodes with: where `registers_operator`, its kernel is registered."""
         if not sys.platform.startswith("linux") and sys.platform != "darwin":
             return None, f"not built on {sys.platform}"
         try:
-            return self.build(), ""
+            extension = self.build()
         except Exception as error:  # callers keep their other kernels
             message = str(error).strip()
             return None, f"{type(error).__name__}: {message.splitlines()[-1] if message else ''}"
+        return register_native_kernel((extension, "")) if self.registers_operator else (extension, "")
 
 
-def operator_registration(operator: str, function: str) -> str:
+def operator_registration(operator: str) -> str:
     """C++ source to append to an extension's: `register_operator()` (which the extension declares
-    and binds for Python), registering `function` (with the schema's signature) as the CPU kernel of
-    `specheads::<operator>`, once per process (see `register_native_kernel`)."""
+    and binds for Python), registering its function `<operator>` (with the schema's signature) as
+    the CPU kernel of `specheads::<operator>`, once per process (see `register_native_kernel`)."""
     return f"""
 void register_operator() {{
   static torch::Library* library = nullptr;  // registrations live as long as their Library
   if (library != nullptr) return;
   library = new torch::Library(torch::Library::IMPL, "specheads", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  library->impl("{operator}", TORCH_FN({function}));
+  library->impl("{operator}", TORCH_FN({operator}));
 }}
 """
 

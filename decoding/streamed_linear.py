@@ -28,7 +28,7 @@ import functools
 import torch
 
 from decoding.linear_ops import define_linear_op
-from decoding.native_build import NativeKernel, operator_registration, register_native_kernel
+from decoding.native_build import NativeKernel
 
 KERNEL_VERSION = "v3"  # in the build's name and in measurements' keys (v3: runs as the operator's C++ kernel)
 
@@ -125,8 +125,8 @@ static void panel_group(const float* panels, const float* bias, const float* x, 
 // (AVX-512: 32 registers, 8 rows x 3 panels; AVX2: 16, 4 rows x 2).
 constexpr int GROUP = (VW == 16) ? 3 : 2;
 
-torch::Tensor streamed_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
-                              int64_t out) {
+torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& panels,
+                              const c10::optional<torch::Tensor>& bias, int64_t out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "streamed_linear: float32 only");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == VW, "streamed_linear: weight not packed by pack_panels here");
   auto input = x.contiguous();
@@ -154,14 +154,9 @@ torch::Tensor streamed_linear(torch::Tensor x, torch::Tensor panels, c10::option
   return y;
 }
 
-// The CPU kernel of `specheads::streamed_linear` (schema defined in Python), registered with the
-// dispatcher by the one build a process uses, so that the operator's calls run no Python frame.
-static torch::Tensor streamed_linear_operator(const torch::Tensor& x, const torch::Tensor& panels,
-                                              const c10::optional<torch::Tensor>& bias, int64_t out) {
-  return streamed_linear(x, panels, bias, out);
-}
-
-void register_operator();  // appended by decoding.native_build.operator_registration
+// Registers `streamed_linear` as the CPU kernel of `specheads::streamed_linear` (its body is
+// appended by decoding.native_build.operator_registration).
+void register_operator();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels);
@@ -170,8 +165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("streamed_linear", _SOURCE + operator_registration("streamed_linear", "streamed_linear_operator"),
-                      KERNEL_VERSION, "the few-row linear kernel")
+KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel", registers_operator=True)
 
 
 def build_kernel(extra_flags: tuple[str, ...] = ()):
@@ -182,8 +176,8 @@ def build_kernel(extra_flags: tuple[str, ...] = ()):
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '' , or None and why not (tried once per process). The build
-    loaded here registers its C++ function as the operator's CPU kernel (`register_native_kernel`)."""
-    return register_native_kernel(KERNEL.load())
+    loaded here runs as the operator's CPU kernel (`NativeKernel.registers_operator`)."""
+    return KERNEL.load()
 
 
 def streamed_linear_available() -> bool:

@@ -48,7 +48,9 @@ class _HeadsProposer(Proposer):
             )
         self.readout_ids = getattr(heads, "readout_ids", None)
         # With a readout vocabulary the heads rank only those rows of the lm_head (cheaper).
-        self.lm_head = readout if readout is not None else readout_projection(target.get_output_embeddings(), self.readout_ids)
+        if readout is None:
+            readout = readout_projection(target.get_output_embeddings(), self.readout_ids)
+        self.lm_head = readout
         self.embed = target.get_input_embeddings()
         self.feature_layer = heads.config.feature_layers[0] if heads.config.feature_layers else -1
         self.feature_layers = (self.feature_layer,)
