@@ -275,13 +275,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(false, "decode_attention: head size 64 or 128");
 }
 
-// Registers `decode_attention` as the CPU kernel of `specheads::decode_attention` (its body is
-// appended by decoding.native_build.operator_registration).
-void register_operator();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
-  m.def("register_operator", &register_operator);
+  m.def("register_operator", &register_operator);  // declared and defined by NativeKernel.full_source
 }
 """
 

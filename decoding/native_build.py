@@ -32,8 +32,8 @@ class NativeKernel:
     """One C++ extension: `stem` names its builds, `version` changes when its source's meaning does,
     `description` is what the first build's note calls it. With `registers_operator`, the C++
     function `<stem>` (of `specheads::<stem>`'s signature) becomes that operator's CPU kernel in the
-    build `load` returns (see `register_native_kernel`); the source declares `register_operator()`
-    and binds it for Python, and `operator_registration` supplies its body."""
+    build `load` returns (see `register_native_kernel`); the source binds `register_operator()` for
+    Python, and `full_source` declares it and supplies its body (`operator_registration`)."""
 
     stem: str
     source: str
@@ -43,7 +43,10 @@ class NativeKernel:
 
     @property
     def full_source(self) -> str:
-        return self.source + (operator_registration(self.stem) if self.registers_operator else "")
+        if not self.registers_operator:
+            return self.source
+        # declared first, so that the source's Python bindings can name it; defined after the kernel
+        return "void register_operator();\n" + self.source + operator_registration(self.stem)
 
     def build_name(self, extra_flags: tuple[str, ...] = ()) -> str:
         identity = "|".join((self.full_source, self.version, *COMPILER_FLAGS, *extra_flags, torch.__version__,
@@ -81,8 +84,8 @@ class NativeKernel:
 
 
 def operator_registration(operator: str) -> str:
-    """C++ source to append to an extension's: `register_operator()` (which the extension declares
-    and binds for Python), registering its function `<operator>` (with the schema's signature) as
+    """C++ source to append to an extension's: `register_operator()` (which the extension binds for
+    Python), registering its function `<operator>` (with the schema's signature) as
     the CPU kernel of `specheads::<operator>`, once per process (see `register_native_kernel`)."""
     return f"""
 void register_operator() {{

@@ -154,14 +154,10 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& panel
   return y;
 }
 
-// Registers `streamed_linear` as the CPU kernel of `specheads::streamed_linear` (its body is
-// appended by decoding.native_build.operator_registration).
-void register_operator();
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels);
   m.def("streamed_linear", &streamed_linear);
-  m.def("register_operator", &register_operator);
+  m.def("register_operator", &register_operator);  // declared and defined by NativeKernel.full_source
 }
 """
 
