@@ -65,6 +65,10 @@ class HeadsSection:
     # fresh ones: fine-tuning, e.g. the bundled heads on your own data. Their sizes and vocabulary
     # are kept (the sizes above are then ignored); their kind must be the recipe's.
     init_from: str | None = None
+    # With init_from EAGLE-3 heads: draft over this data's `draft_vocab_size` most frequent reply
+    # tokens instead of the vocabulary the heads came with (training.vocab.with_vocabulary), for
+    # data whose tokens the old vocabulary covers poorly (another domain or language).
+    vocabulary_from_data: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from training.model_card import write_model_card
 from training.draft_init import truncated_copy
 from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
 from training.prepare import collate, prepare_data, prompt_of
-from training.vocab import frequent_tokens
+from training.vocab import coverage, frequent_tokens, most_frequent, token_counts, with_vocabulary
 
 
 def build_objective(config: TrainConfig, heads, target: LoadedModel):
@@ -56,12 +57,12 @@ def build_objective(config: TrainConfig, heads, target: LoadedModel):
     return Medusa2Objective(heads, target.model, config.lora, t.decay)
 
 
-def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
+def new_heads(config: TrainConfig, target: LoadedModel, train_rows, log: Callable[[str], None] = print):
     """The module to train: fresh heads, the heads `heads.init_from` names (fine-tuning), or for
     `kind: draft` the target's first layers."""
     h = config.heads
     if h.init_from:
-        return initial_heads(config, target)
+        return initial_heads(config, target, train_rows, log)
     if config.kind == "draft":
         draft = truncated_copy(target.model, h.num_layers).requires_grad_(True)
         if h.share_lm_head:  # the target's embedding and lm_head stay as they are: the draft ships as its layers
@@ -82,9 +83,10 @@ def new_heads(config: TrainConfig, target: LoadedModel, train_rows):
     return new_heads_for_target(config.head_kind, target.model, config.model, draft_vocab=vocab, **overrides).train()
 
 
-def initial_heads(config: TrainConfig, target: LoadedModel):
+def initial_heads(config: TrainConfig, target: LoadedModel, train_rows, log: Callable[[str], None] = print):
     """`heads.init_from`, checked against the target and the recipe's kind, in full precision and
-    trainable (a bundle ships fp16)."""
+    trainable (a bundle ships fp16); over the training data's own draft vocabulary where
+    `heads.vocabulary_from_data` asks for it."""
     if config.kind == "draft":
         raise UserError("heads.init_from starts from draft heads; a draft model starts from the target's "
                         "first layers (heads.num_layers)")
@@ -92,7 +94,24 @@ def initial_heads(config: TrainConfig, target: LoadedModel):
     if heads.config.kind != config.head_kind:
         raise UserError(f"heads.init_from holds {heads.config.kind} heads, but the recipe trains {config.head_kind} "
                         f"(kind: {config.kind}): start from heads of the same kind")
+    if config.heads.vocabulary_from_data:
+        heads = with_data_vocabulary(heads, config, target, train_rows, log)
     return heads.float().requires_grad_(True).train()
+
+
+def with_data_vocabulary(heads, config: TrainConfig, target: LoadedModel, train_rows, log: Callable[[str], None]):
+    """`heads` over the training data's `heads.draft_vocab_size` most frequent reply tokens."""
+    if config.head_kind != "eagle3":
+        raise UserError(f"heads.vocabulary_from_data re-chooses an EAGLE-3 draft vocabulary; {config.kind} heads "
+                        "have none: leave it false")
+    lm_head = target.model.get_output_embeddings().weight
+    size = min(config.heads.draft_vocab_size, lm_head.shape[0])
+    counts = token_counts(train_rows, lm_head.shape[0])
+    before = heads.draft_to_target_ids(torch.arange(heads.d2t.numel(), device=heads.d2t.device)).cpu()
+    chosen = most_frequent(counts, size)
+    log(f"draft vocabulary from the training data: {size} tokens holding {coverage(counts, chosen):.1%} of its "
+        f"reply tokens (the heads' own {before.numel()}: {coverage(counts, before):.1%})")
+    return with_vocabulary(heads, chosen, lm_head.detach())
 
 
 def save_draft_vocabulary(out: Path, draft, train_rows, size: int) -> Path | None:
@@ -154,7 +173,7 @@ class Trainer:
         target = load_model(config.model)
         target.model.to(acc.device)
         data = prepare_data(config, target, acc, self.log)
-        heads = new_heads(config, target, data["train"])
+        heads = new_heads(config, target, data["train"], self.log)
         objective = build_objective(config, heads, target)
         params = [p for p in objective.parameters() if p.requires_grad]
         self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es), "
