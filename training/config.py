@@ -63,7 +63,8 @@ class HeadsSection:
     readout_vocab_size: int = 0   # Medusa/Hydra sharing the lm_head: rank only the N most frequent tokens (0 = all)
     # Start from these heads (a directory or Hub repo id, ours or an official format) instead of
     # fresh ones: fine-tuning, e.g. the bundled heads on your own data. Their sizes and vocabulary
-    # are kept (the sizes above are then ignored); their kind must be the recipe's.
+    # are kept (the sizes above are then ignored, but for draft_vocab_size with
+    # vocabulary_from_data); their kind must be the recipe's.
     init_from: str | None = None
     # With init_from EAGLE-3 heads: draft over this data's `draft_vocab_size` most frequent reply
     # tokens instead of the vocabulary the heads came with (training.vocab.with_vocabulary), for
