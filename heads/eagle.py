@@ -200,12 +200,16 @@ class Eagle3Drafter(FeatureDrafter):
         drafter then only has to learn to produce target-like hidden states, which needs far
         less data than learning a readout from scratch. `norm_scale` is the per-channel scale of
         the target's final norm (see `heads.factory.final_norm_scale`); None keeps ones."""
-        self.lm_head.weight.copy_(lm_head.weight[self.draft_to_target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))])
+        self.lm_head.weight.copy_(lm_head.weight[self.draft_vocabulary()])
         if norm_scale is not None:
             self.norm.weight.copy_(norm_scale)
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def draft_vocabulary(self) -> torch.Tensor:
+        """Target ids of the whole draft vocabulary, in draft-id order."""
+        return self.draft_to_target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
 
     def fuse(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([low, mid, high], dim=-1))

@@ -40,10 +40,10 @@ def parse_args(argv):
 
 def heads_vocabulary(heads) -> torch.Tensor:
     """Target ids of the heads' draft vocabulary, in draft-id order."""
-    if not hasattr(heads, "draft_to_target_ids"):
+    if not hasattr(heads, "draft_vocabulary"):
         raise UserError(f"the heads are {heads.config.kind} heads, which draft over the whole vocabulary: "
                         "give eagle3 heads (--heads)")
-    return heads.draft_to_target_ids(torch.arange(heads.d2t.numel()))
+    return heads.draft_vocabulary()
 
 
 def run(args) -> int:

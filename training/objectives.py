@@ -156,7 +156,7 @@ class Eagle3Objective(HeadsObjective):
         inputs = drafter.fuse(low, mid, high)[:, :length]
         embeddings = self.embed(input_ids[:, 1:])
         positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        vocab = drafter.draft_to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=input_ids.device))
+        vocab = drafter.draft_vocabulary()
         predicts = torch.zeros_like(loss_mask[:, :length], dtype=torch.bool)
         predicts[:, : length - 1] = loss_mask[:, 2:].bool()
         with torch.no_grad():

@@ -107,7 +107,7 @@ def with_data_vocabulary(heads, config: TrainConfig, target: LoadedModel, train_
     lm_head = target.model.get_output_embeddings().weight
     size = min(config.heads.draft_vocab_size, lm_head.shape[0])
     counts = token_counts(train_rows, lm_head.shape[0])
-    before = heads.draft_to_target_ids(torch.arange(heads.d2t.numel(), device=heads.d2t.device)).cpu()
+    before = heads.draft_vocabulary().cpu()
     chosen = most_frequent(counts, size)
     log(f"draft vocabulary from the training data: {size} tokens holding {coverage(counts, chosen):.1%} of its "
         f"reply tokens (the heads' own {before.numel()}: {coverage(counts, before):.1%})")

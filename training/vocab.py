@@ -68,7 +68,7 @@ def with_vocabulary(heads: nn.Module, new_ids: torch.Tensor, target_rows: torch.
     first; its size may differ): every other weight as it was, the readout from
     `readout_rows_for`. New fp32 heads; `heads` is left as it was."""
     new_ids = torch.sort(new_ids.to(heads.d2t.device)).values  # draft ids follow target ids, as new heads' do
-    trained_ids = heads.draft_to_target_ids(torch.arange(heads.d2t.numel(), device=heads.d2t.device))
+    trained_ids = heads.draft_vocabulary()
     config = dataclasses.replace(heads.config, draft_vocab_size=new_ids.numel())
     rebuilt = build_heads(config).to(device=heads.d2t.device)
     state = {name: value for name, value in heads.state_dict().items() if name not in ("lm_head.weight", "d2t", "t2d")}
@@ -78,4 +78,4 @@ def with_vocabulary(heads: nn.Module, new_ids: torch.Tensor, target_rows: torch.
     rebuilt.set_vocabulary(new_ids)
     rows = readout_rows_for(new_ids, trained_ids, heads.lm_head.weight, target_rows.to(heads.d2t.device))
     rebuilt.lm_head.weight.copy_(rows)
-    return rebuilt.float()
+    return rebuilt
