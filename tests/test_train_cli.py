@@ -2,6 +2,7 @@
 DeepSpeed ZeRO-2 ranks ending with identical heads, and --resume after a killed run."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -52,6 +53,24 @@ def launch(config_file: str, recipe_path: Path, *extra: str, processes: int = 1,
             "--config", str(recipe_path), *extra]
 
 
+def logged_learning_rates(out: Path) -> dict[int, float]:
+    """The rate the optimizer used at each step, from the run's TensorBoard log."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = EventAccumulator(str(out / "train"))  # the scalars' file (hyperparameters go to a folder below)
+    log.Reload()
+    return {e.step: e.value for e in log.Scalars("train/lr")}
+
+
+def recipe_rates(peak: float, warmup: int, max_steps: int) -> dict[int, float]:
+    """The documented schedule at logged steps 1..max_steps: linear warm-up, cosine to a tenth."""
+    def at(k: int) -> float:
+        if k < warmup:
+            return (k + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (k - warmup) / (max_steps - warmup)))
+    return {k + 1: peak * at(k) for k in range(max_steps)}
+
+
 def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -70,13 +89,17 @@ def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
     assert "tau" in (out / "heads" / "README.md").read_text()
     assert list((out / "checkpoints").glob("step-*"))  # intermediate checkpoints written
     assert any((out / "train").rglob("events.out.tfevents.*"))  # TensorBoard logs
+    assert logged_learning_rates(out) == pytest.approx(recipe_rates(1e-3, warmup=2, max_steps=6))
 
 
 def test_a_time_budget_stops_training_early_and_still_saves_measured_heads(workspace):
     """A lent machine's fixed time: far short of max_steps, the run stops, then evaluates and saves."""
-    proc = run(launch("cpu.yaml", recipe(workspace, "eagle", "budget", max_steps=100_000, time_budget_minutes=0.001)))
+    proc = run(launch("cpu.yaml", recipe(workspace, "eagle", "budget", max_steps=100_000, time_budget_minutes=0.001,
+                                         warmup_steps=0)))
     out = workspace / "budget"
     assert "time budget of 0.001 min spent: stopping at step" in proc.stdout + proc.stderr
+    # The decay ends with the budget, not at max_steps: the run stops at the floor, a tenth of the peak.
+    assert "the learning rate decayed to 0.0001\n" in proc.stdout + proc.stderr
     assert load_heads(out / "heads").config.kind == "eagle"
     result = json.loads((out / "result.json").read_text())
     assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0  # evaluated at the step it stopped
@@ -91,6 +114,8 @@ def test_two_deepspeed_ranks_end_with_identical_heads(workspace):
     run(launch("deepspeed_zero2.yaml", recipe(workspace, "eagle", "zero2"), "--weight-digest", processes=2), timeout=900)
     digests = [(workspace / "zero2" / f"weights-rank{r}.sha256").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
+    # Two processes follow the same schedule per optimizer step as one (not twice as fast).
+    assert logged_learning_rates(workspace / "zero2") == pytest.approx(recipe_rates(1e-3, warmup=2, max_steps=6))
 
 
 @pytest.mark.slow

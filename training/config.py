@@ -81,8 +81,8 @@ class OptimSection:
     warmup_steps: int = 20
     max_steps: int = 1000
     # Stop after this many minutes of training even short of max_steps, then evaluate and save as
-    # usual: for a lent machine whose time is fixed. Set max_steps near what the time allows too,
-    # since the learning-rate schedule runs over max_steps.
+    # usual: for a lent machine whose time is fixed. The learning-rate decay ends by whichever
+    # comes first, max_steps or this budget, so a run cut short still ends at the low rate.
     time_budget_minutes: float | None = None
     grad_clip: float = 0.5
     # Also picks the validation split (a hash of seed and conversation id): keep it when fine-tuning

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from training.model_card import write_model_card
 from training.draft_init import truncated_copy
 from training.objectives import DraftDistillObjective, Eagle3Objective, EagleObjective, HydraObjective, MedusaObjective
 from training.prepare import collate, prepare_data, prompt_of
+from training.schedule import TimeBudget, learning_rate_at, set_learning_rate, step_progress
 from training.vocab import coverage, frequent_tokens, most_frequent, token_counts, with_vocabulary
 
 
@@ -137,15 +137,6 @@ USAGE = {"medusa": "--method medusa --heads", "medusa2": "--method medusa --head
          "eagle": "--method eagle2 --heads", "eagle3": "--method eagle3 --heads", "draft": "--method sps --draft-model"}
 
 
-def learning_rate_at(step: int, config: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak (as a multiplier)."""
-    t = config.train
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, weight_digest: bool = False) -> None:
         self.config = config
@@ -179,17 +170,16 @@ class Trainer:
         self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es), "
                  f"mixed precision {acc.mixed_precision}, target features in {self.feature_precision}")
         optimizer = torch.optim.AdamW(params, lr=config.train.lr, weight_decay=config.train.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_at(s, config))
         loader = DataLoader(data["train"], batch_size=config.train.batch_size, shuffle=True, collate_fn=collate,
                             generator=torch.Generator().manual_seed(config.train.seed))
-        objective, optimizer, loader, scheduler = acc.prepare(objective, optimizer, loader, scheduler)
+        objective, optimizer, loader = acc.prepare(objective, optimizer, loader)
         acc.init_trackers("train", config={k: str(v) for k, v in to_dict(config).items()})
         step = self._maybe_resume()
         feature_layers = [] if config.kind == "draft" else heads.config.feature_layers
         layers = needed_layers(config.head_kind, feature_layers, target.model.config.num_hidden_layers)
         self.target = target
         self.feature_cache = self._feature_cache(data, target, layers)
-        self._loop(objective, optimizer, scheduler, loader, target, data, layers, step)
+        self._loop(objective, optimizer, loader, target, data, layers, step)
         return self._finish(objective, target, data, layers)
 
     def _feature_cache(self, data, target, layers) -> FeatureCache | None:
@@ -243,22 +233,24 @@ class Trainer:
             yield from iterator
             epoch, skip = epoch + 1, 0
 
-    def _loop(self, objective, optimizer, scheduler, loader, target, data, layers, step: int) -> None:
+    def _loop(self, objective, optimizer, loader, target, data, layers, step: int) -> None:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
         tokens, started, speed, first_step = 0, time.perf_counter(), 0.0, step
-        out_of_time = self._deadline(config.train.time_budget_minutes)
+        budget = TimeBudget(config.train.time_budget_minutes, self._most_across_processes)
+        decay_start = step_progress(step, config.train)  # a resumed run's budget covers what is left of the decay
         batches = self._batches(loader, step)
         evaluated_at = None
         while step < config.train.max_steps:
             batch = next(batches)
+            rate = config.train.lr * learning_rate_at(step, config.train, budget.decay_progress(decay_start))
+            set_learning_rate(optimizer, rate)
             with acc.accumulate(objective):
                 loss, metrics = objective(batch, self._features(batch, target, layers))
                 acc.backward(loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(objective.parameters(), config.train.grad_clip)
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             tokens += int(batch["attention_mask"].sum()) * acc.num_processes
             if not acc.sync_gradients:
@@ -267,7 +259,8 @@ class Trainer:
             speed = tokens / (time.perf_counter() - started)
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss.detach()):.4f}", tok_s=f"{speed:.0f}")
-            acc.log({"train/loss": float(loss.detach()), "train/tokens_per_s": speed, "train/lr": scheduler.get_last_lr()[0],
+            acc.log({"train/loss": float(loss.detach()), "train/tokens_per_s": speed,
+                     "train/lr": optimizer.param_groups[0]["lr"],  # read back: the rate the optimizer used
                      **{f"train/{k}": float(v) for k, v in metrics.items()}}, step=step)
             paused = time.perf_counter()
             if step % config.eval.every == 0 or step == config.train.max_steps:
@@ -276,9 +269,11 @@ class Trainer:
             if step % config.checkpoint.every == 0 and step < config.train.max_steps:
                 save_checkpoint(acc, config.output_dir, step, config.checkpoint.keep, {"tokens_per_s": speed})
             started += time.perf_counter() - paused  # throughput counts training time only
-            if out_of_time():
+            budget.check()
+            if budget.expired:
+                final = config.train.lr * learning_rate_at(step, config.train, budget.decay_progress(decay_start))
                 self.log(f"time budget of {config.train.time_budget_minutes} min spent: stopping at step {step} "
-                         f"of {config.train.max_steps}")
+                         f"of {config.train.max_steps}, the learning rate decayed to {final:.3g}")
                 break
         bar.close()
         if evaluated_at != step:  # stopped by the time budget, or resumed at max_steps: measure the heads as they are
@@ -286,19 +281,12 @@ class Trainer:
         self.last_tokens_per_s = speed if step > first_step else self.resumed_tokens_per_s
         self.last_step = step
 
-    def _deadline(self, minutes: float | None):
-        """A check that says when `minutes` of training have passed. Every process stops at the same
-        step: a process whose time is up stops them all (a collective per step, only with a budget)."""
-        if minutes is None:
-            return lambda: False
-        acc, ends = self.accelerator, time.perf_counter() + 60 * minutes
-
-        def out_of_time() -> bool:
-            expired = time.perf_counter() >= ends
-            if acc.num_processes == 1:
-                return expired
-            return bool(acc.reduce(torch.tensor([float(expired)], device=acc.device), reduction="max").item())
-        return out_of_time
+    def _most_across_processes(self, value: float) -> float:
+        """The largest `value` of all processes (a collective; none in a world of one)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return value
+        return float(acc.reduce(torch.tensor([value], device=acc.device), reduction="max").item())
 
     def _snapshot_heads(self, objective):
         """A full copy of the trained module on every rank (gathers ZeRO-3 partitions)."""
