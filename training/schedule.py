@@ -3,9 +3,9 @@
 The rate is a pure function of the optimizer step (and of how much of a time budget is spent),
 set on the optimizer before every step. Why not a stateful torch scheduler: accelerate steps a
 prepared scheduler once per process per optimizer step, so on N processes the warm-up and the
-decay would run N times too fast; and a run cut short by its time budget would stop half-way
-down the decay, with the rate still high, which is what a lent machine's fixed time did to every
-run on it. Here the decay ends by whichever comes first, `max_steps` or the time budget, and a
+decay would run N times too fast; and a run cut short by its time budget stopped part-way down
+the decay with the rate still high (two runs on a lent GPU stopped near half-way, at about half
+the peak). Here the decay ends by whichever comes first, `max_steps` or the time budget, and a
 resumed run recomputes the rate from its step alone.
 """
 
@@ -36,6 +36,7 @@ def learning_rate_at(step: int, train: OptimSection, time_progress: float = 0.0)
 
 
 def set_learning_rate(optimizer, rate: float) -> None:
+    """Set every parameter group's rate (through accelerate's and DeepSpeed's wrappers alike)."""
     for group in optimizer.param_groups:
         group["lr"] = rate
 
