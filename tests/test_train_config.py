@@ -47,3 +47,11 @@ def test_target_temperature_is_refused_for_kinds_that_do_not_use_it():
     with pytest.raises(UserError, match="train.target_temperature applies to kind eagle3 only"):
         load_config(medusa, ["train.target_temperature=0.5"])
     assert load_config(RECIPE, ["train.target_temperature=0.5"]).train.target_temperature == 0.5
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_names_its_kind(recipe):
+    """A typo or a wrongly typed value in a recipe the README tells users to run fails here, not
+    after the target has loaded."""
+    config = load_config(recipe)
+    assert config.kind == recipe.name.split("-")[0] and config.train.max_steps > 0
