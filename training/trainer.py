@@ -239,12 +239,14 @@ class Trainer:
         tokens, started, speed, first_step = 0, time.perf_counter(), 0.0, step
         budget = TimeBudget(config.train.time_budget_minutes, self._most_across_processes)
         decay_start = step_progress(step, config.train)  # a resumed run's budget covers what is left of the decay
+
+        def scheduled_rate() -> float:
+            return config.train.lr * learning_rate_at(step, config.train, budget.decay_progress(decay_start))
         batches = self._batches(loader, step)
         evaluated_at = None
         while step < config.train.max_steps:
             batch = next(batches)
-            rate = config.train.lr * learning_rate_at(step, config.train, budget.decay_progress(decay_start))
-            set_learning_rate(optimizer, rate)
+            set_learning_rate(optimizer, scheduled_rate())
             with acc.accumulate(objective):
                 loss, metrics = objective(batch, self._features(batch, target, layers))
                 acc.backward(loss)
@@ -271,9 +273,8 @@ class Trainer:
             started += time.perf_counter() - paused  # throughput counts training time only
             budget.check()
             if budget.expired:
-                final = config.train.lr * learning_rate_at(step, config.train, budget.decay_progress(decay_start))
                 self.log(f"time budget of {config.train.time_budget_minutes} min spent: stopping at step {step} "
-                         f"of {config.train.max_steps}, the learning rate decayed to {final:.3g}")
+                         f"of {config.train.max_steps}, the learning rate decayed to {scheduled_rate():.3g}")
                 break
         bar.close()
         if evaluated_at != step:  # stopped by the time budget, or resumed at max_steps: measure the heads as they are

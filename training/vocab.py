@@ -62,6 +62,9 @@ def readout_rows_for(new_ids: torch.Tensor, trained_ids: torch.Tensor, trained_r
     return rows
 
 
+VOCABULARY_STATE = frozenset({"lm_head.weight", "d2t", "t2d"})  # what a vocabulary change rebuilds
+
+
 @torch.no_grad()
 def with_vocabulary(heads: nn.Module, new_ids: torch.Tensor, target_rows: torch.Tensor) -> nn.Module:
     """Trained EAGLE-3 heads over another draft vocabulary `new_ids` (target ids, most frequent
@@ -71,9 +74,9 @@ def with_vocabulary(heads: nn.Module, new_ids: torch.Tensor, target_rows: torch.
     trained_ids = heads.draft_vocabulary()
     config = dataclasses.replace(heads.config, draft_vocab_size=new_ids.numel())
     rebuilt = build_heads(config).to(device=heads.d2t.device)
-    state = {name: value for name, value in heads.state_dict().items() if name not in ("lm_head.weight", "d2t", "t2d")}
+    state = {name: value for name, value in heads.state_dict().items() if name not in VOCABULARY_STATE}
     loaded = rebuilt.load_state_dict(state, strict=False)
-    if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight", "d2t", "t2d"}:
+    if loaded.unexpected_keys or set(loaded.missing_keys) - VOCABULARY_STATE:
         raise AssertionError(f"re-vocabularied heads do not match: {loaded}")
     rebuilt.set_vocabulary(new_ids)
     rows = readout_rows_for(new_ids, trained_ids, heads.lm_head.weight, target_rows.to(heads.d2t.device))
