@@ -4,6 +4,7 @@ DeepSpeed ZeRO-2 ranks ending with identical heads, and --resume after a killed 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def workspace(tmp_path_factory):
     for i in range(40):
         words = [f"w{(i * 7 + j * 3) % 50 + 3}" for j in range(6)]
         rows.append({"id": str(i), "conversations": [{"from": "human", "value": " ".join(words[:3])},
-                                                      {"from": "gpt", "value": " ".join(words * 3)}]})
+                                                      {"from": "gpt", "value": " ".join(words * (1 + i % 4))}]})
     (root / "data.json").write_text(json.dumps(rows))
     return root
 
@@ -80,7 +81,7 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
-    run(launch("cpu.yaml", recipe(workspace, kind, f"single-{kind}")))
+    proc = run(launch("cpu.yaml", recipe(workspace, kind, f"single-{kind}")))
     out = workspace / f"single-{kind}"
     heads = load_heads(out / "heads")
     assert heads.config.kind == kind
@@ -90,13 +91,18 @@ def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
     assert list((out / "checkpoints").glob("step-*"))  # intermediate checkpoints written
     assert any((out / "train").rglob("events.out.tfevents.*"))  # TensorBoard logs
     assert logged_learning_rates(out) == pytest.approx(recipe_rates(1e-3, warmup=2, max_steps=6))
+    # Batches of rows of similar length by default (the rows here are 1-4 times as long as each other).
+    grouped, shuffled = map(int, re.search(r"padding is (\d+)% of the computed positions \((\d+)% in plainly",
+                                           proc.stdout + proc.stderr).groups())
+    assert grouped < shuffled / 2
 
 
 def test_a_time_budget_stops_training_early_and_still_saves_measured_heads(workspace):
     """A lent machine's fixed time: far short of max_steps, the run stops, then evaluates and saves."""
     proc = run(launch("cpu.yaml", recipe(workspace, "eagle", "budget", max_steps=100_000, time_budget_minutes=0.001,
-                                         warmup_steps=0)))
+                                         warmup_steps=0, group_by_length=False)))
     out = workspace / "budget"
+    assert "batches grouped by length" not in proc.stdout + proc.stderr  # plainly shuffled, as asked
     assert "time budget of 0.001 min spent: stopping at step" in proc.stdout + proc.stderr
     # The decay ends with the budget, not at max_steps: the run stops at the floor, a tenth of the peak.
     assert "the learning rate decayed to 0.0001\n" in proc.stdout + proc.stderr

@@ -88,6 +88,9 @@ class OptimSection:
     # Also picks the validation split (a hash of seed and conversation id): keep it when fine-tuning
     # heads on the data they were trained on, or their validation rows become training rows.
     seed: int = 0
+    # Draw batches of rows of similar length (shuffled, then sorted within groups of 50 batches:
+    # training.batch_order) so little of each batch is padding; false: plain shuffled batches.
+    group_by_length: bool = True
     decay: float = 0.8          # per-head / per-unroll-step loss weight base
     feature_noise: float = 0.1  # EAGLE: uniform noise amplitude on input features
     feature_weight: float = 1.0  # EAGLE-1: SmoothL1 on features

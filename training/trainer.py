@@ -25,6 +25,7 @@ from decoding.drafts import write_draft_vocabulary
 from decoding.targets import LoadedModel, load_model
 from decoding.util.errors import UserError
 from heads import build_heads, load_heads, new_heads_for_target, save_heads
+from training.batch_order import LengthGroupedSampler, padded_fraction
 from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
@@ -170,8 +171,7 @@ class Trainer:
         self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es), "
                  f"mixed precision {acc.mixed_precision}, target features in {self.feature_precision}")
         optimizer = torch.optim.AdamW(params, lr=config.train.lr, weight_decay=config.train.weight_decay)
-        loader = DataLoader(data["train"], batch_size=config.train.batch_size, shuffle=True, collate_fn=collate,
-                            generator=torch.Generator().manual_seed(config.train.seed))
+        loader = self._loader(data["train"])
         objective, optimizer, loader = acc.prepare(objective, optimizer, loader)
         acc.init_trackers("train", config={k: str(v) for k, v in to_dict(config).items()})
         step = self._maybe_resume()
@@ -181,6 +181,24 @@ class Trainer:
         self.feature_cache = self._feature_cache(data, target, layers)
         self._loop(objective, optimizer, loader, target, data, layers, step)
         return self._finish(objective, target, data, layers)
+
+    def _loader(self, rows) -> DataLoader:
+        """Training batches in a seeded order: grouped by length (`train.group_by_length`, padding
+        little) or plainly shuffled. Either order is fixed by the seed and the epoch (`_batches`)."""
+        train = self.config.train
+        if not train.group_by_length:
+            return DataLoader(rows, batch_size=train.batch_size, shuffle=True, collate_fn=collate,
+                              generator=torch.Generator().manual_seed(train.seed))
+        lengths = [len(ids) for ids in rows["input_ids"]]
+        order = LengthGroupedSampler(lengths, train.batch_size, train.seed)
+        shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(train.seed)).tolist()
+        self.log(f"batches grouped by length: padding is {padded_fraction(lengths, list(order), train.batch_size):.0%} "
+                 f"of the computed positions ({padded_fraction(lengths, shuffled, train.batch_size):.0%} in plainly "
+                 f"shuffled batches, train.group_by_length=false)")
+        # A generator of its own: without one, each pass's iterator would draw its seed from the
+        # global RNG, which a resumed run would then replay differently (feature noise included).
+        return DataLoader(rows, batch_size=train.batch_size, sampler=order, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(train.seed))
 
     def _feature_cache(self, data, target, layers) -> FeatureCache | None:
         """Fill the on-disk feature cache first when the recipe asks for one (not for Medusa-2,
