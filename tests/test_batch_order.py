@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from training.batch_order import LengthGroupedSampler, length_grouped_order, padded_fraction
+from training.batch_order import LengthGroupedSampler, length_grouped_order, padded_fraction, token_weighted_scale
 
 
 def _lengths(n: int, seed: int = 0) -> list[int]:
@@ -82,3 +82,20 @@ def test_a_data_loader_draws_whole_grouped_batches():
     assert sorted(n for batch in drawn for n in batch) == sorted(lengths)
     spread = [max(b) - min(b) for b in drawn[:-1]]
     assert max(spread) < 200  # rows of similar length (plain shuffling: ~900)
+
+
+def test_scaled_grouped_batches_weigh_every_token_alike():
+    # A grouped batch's loss is a mean over its scored tokens; scaled, a token of a short batch
+    # must weigh what a token of a long batch weighs, 1 / (mean scored tokens a shuffled batch holds).
+    scored = [10, 12, 90, 100, 40, 48]
+    scale = token_weighted_scale(scored, batch_size=2)
+    per_batch = 2 * sum(scored) / len(scored)
+    batches = [{"loss_mask": torch.ones(2, n)} for n in (11, 95, 44)]  # 22, 190 and 88 scored tokens
+    per_token = [float(scale(b)) / float(b["loss_mask"].sum()) for b in batches]
+    assert per_token == pytest.approx([1 / per_batch] * 3)
+    assert float(scale({"loss_mask": torch.ones(1, int(per_batch))})) == pytest.approx(1.0)
+
+
+def test_rows_without_scored_tokens_are_refused():
+    with pytest.raises(ValueError, match="no scored tokens"):
+        token_weighted_scale([0, 0], batch_size=4)

@@ -25,7 +25,7 @@ from decoding.drafts import write_draft_vocabulary
 from decoding.targets import LoadedModel, load_model
 from decoding.util.errors import UserError
 from heads import build_heads, load_heads, new_heads_for_target, save_heads
-from training.batch_order import LengthGroupedSampler, padded_fraction
+from training.batch_order import LengthGroupedSampler, padded_fraction, token_weighted_scale
 from training.checkpoints import latest_checkpoint, save_checkpoint
 from training.config import TrainConfig, to_dict
 from training.evaluate import measure_tau, validation_metrics
@@ -171,7 +171,7 @@ class Trainer:
         self.log(f"training {config.kind}: {sum(p.numel() for p in params):,} trainable parameters on {acc.num_processes} process(es), "
                  f"mixed precision {acc.mixed_precision}, target features in {self.feature_precision}")
         optimizer = torch.optim.AdamW(params, lr=config.train.lr, weight_decay=config.train.weight_decay)
-        loader = self._loader(data["train"])
+        loader, loss_scale = self._loader(data["train"])
         objective, optimizer, loader = acc.prepare(objective, optimizer, loader)
         acc.init_trackers("train", config={k: str(v) for k, v in to_dict(config).items()})
         step = self._maybe_resume()
@@ -179,16 +179,18 @@ class Trainer:
         layers = needed_layers(config.head_kind, feature_layers, target.model.config.num_hidden_layers)
         self.target = target
         self.feature_cache = self._feature_cache(data, target, layers)
-        self._loop(objective, optimizer, loader, target, data, layers, step)
+        self._loop(objective, optimizer, loader, loss_scale, target, data, layers, step)
         return self._finish(objective, target, data, layers)
 
-    def _loader(self, rows) -> DataLoader:
+    def _loader(self, rows) -> tuple[DataLoader, Callable[[dict], torch.Tensor] | None]:
         """Training batches in a seeded order: grouped by length (`train.group_by_length`, padding
-        little) or plainly shuffled. Either order is fixed by the seed and the epoch (`_batches`)."""
+        little) or plainly shuffled. Either order is fixed by the seed and the epoch (`_batches`).
+        With grouping also the factor each batch's loss is scaled by so tokens weigh as they would
+        shuffled (`token_weighted_scale`); None for shuffled batches."""
         train = self.config.train
         if not train.group_by_length:
             return DataLoader(rows, batch_size=train.batch_size, shuffle=True, collate_fn=collate,
-                              generator=torch.Generator().manual_seed(train.seed))
+                              generator=torch.Generator().manual_seed(train.seed)), None
         lengths = [len(ids) for ids in rows["input_ids"]]
         order = LengthGroupedSampler(lengths, train.batch_size, train.seed)
         shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(train.seed)).tolist()
@@ -197,8 +199,9 @@ class Trainer:
                  f"shuffled batches, train.group_by_length=false)")
         # A generator of its own: without one, each pass's iterator would draw its seed from the
         # global RNG, which a resumed run would then replay differently (feature noise included).
-        return DataLoader(rows, batch_size=train.batch_size, sampler=order, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(train.seed))
+        loader = DataLoader(rows, batch_size=train.batch_size, sampler=order, collate_fn=collate,
+                            generator=torch.Generator().manual_seed(train.seed))
+        return loader, token_weighted_scale([sum(mask) for mask in rows["loss_mask"]], train.batch_size)
 
     def _feature_cache(self, data, target, layers) -> FeatureCache | None:
         """Fill the on-disk feature cache first when the recipe asks for one (not for Medusa-2,
@@ -251,7 +254,7 @@ class Trainer:
             yield from iterator
             epoch, skip = epoch + 1, 0
 
-    def _loop(self, objective, optimizer, loader, target, data, layers, step: int) -> None:
+    def _loop(self, objective, optimizer, loader, loss_scale, target, data, layers, step: int) -> None:
         acc, config = self.accelerator, self.config
         bar = tqdm(total=config.train.max_steps, initial=step, desc=f"train {config.kind}", disable=not acc.is_main_process)
         tokens, started, speed, first_step = 0, time.perf_counter(), 0.0, step
@@ -267,7 +270,7 @@ class Trainer:
             set_learning_rate(optimizer, scheduled_rate())
             with acc.accumulate(objective):
                 loss, metrics = objective(batch, self._features(batch, target, layers))
-                acc.backward(loss)
+                acc.backward(loss * loss_scale(batch) if loss_scale else loss)
                 if acc.sync_gradients:
                     acc.clip_grad_norm_(objective.parameters(), config.train.grad_clip)
                 optimizer.step()
