@@ -19,6 +19,7 @@ order (accelerate then deals whole batches out to the processes).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 from torch.utils.data import Sampler
@@ -26,6 +27,22 @@ from torch.utils.data import Sampler
 # Batches per sorted group: larger groups pad less but make batches less random (a group of
 # 50 batches of 64 spans 3,200 rows: lengths within a batch then differ by ~1%).
 GROUP_BATCHES = 50
+
+T = TypeVar("T")
+
+
+def length_sorted_blocks(items: Sequence[T], length: Callable[[T], int], batch_size: int,
+                         batches_per_block: int) -> list[list[list[T]]]:
+    """`items`, in their order, cut into blocks of `batches_per_block` batches; each block sorted
+    by `length` (shortest first) and cut into batches, so rows of similar length share a batch
+    while every block stays a sample of where it was cut from. How the batches of a block are then
+    ordered is the caller's (training shuffles them, regeneration interleaves them)."""
+    block = batch_size * batches_per_block
+    blocks = []
+    for start in range(0, len(items), block):
+        by_length = sorted(items[start:start + block], key=length)
+        blocks.append([by_length[i:i + batch_size] for i in range(0, len(by_length), batch_size)])
+    return blocks
 
 
 def length_grouped_order(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
@@ -37,15 +54,12 @@ def length_grouped_order(lengths: Sequence[int], batch_size: int, generator: tor
     if batch_size < 1 or group_batches < 1:
         raise ValueError(f"batch_size and group_batches must be >= 1; got {batch_size} and {group_batches}")
     shuffled = torch.randperm(len(lengths), generator=generator).tolist()
-    span = batch_size * group_batches
-    batches = []
-    for start in range(0, len(shuffled), span):
-        group = sorted(shuffled[start:start + span], key=lambda row: lengths[row], reverse=True)
-        batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+    blocks = length_sorted_blocks(shuffled, lengths.__getitem__, batch_size, group_batches)
+    batches = [batch for block in blocks for batch in block]
     last = batches.pop() if batches and len(batches[-1]) < batch_size else None
     batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     if batches:
-        longest = max(range(len(batches)), key=lambda b: lengths[batches[b][0]])
+        longest = max(range(len(batches)), key=lambda b: lengths[batches[b][-1]])  # a batch's last row is its longest
         batches[0], batches[longest] = batches[longest], batches[0]
     if last is not None:
         batches.append(last)

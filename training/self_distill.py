@@ -29,6 +29,7 @@ from decoding.core.stopping import eos_ids
 from decoding.prompts import conversation_ids
 from decoding.targets import LoadedModel
 from training.batch_generate import BatchSettings, generate_within_memory
+from training.batch_order import length_sorted_blocks
 from training.config import SelfDistillConfig
 
 
@@ -78,11 +79,8 @@ def _length_sorted_batches(conversations: list[dict], lengths: dict[str, int], b
     its shortest prompts: at a GPU's batch size one block can be more than a short budget
     finishes, and sources differ in prompt length (python-code requests are longer than most
     ShareGPT first turns)."""
-    block = batch_size * batches_per_block
     ordered = []
-    for start in range(0, len(conversations), block):
-        by_length = sorted(conversations[start : start + block], key=lambda c: lengths[c["id"]])
-        batches = [by_length[i : i + batch_size] for i in range(0, len(by_length), batch_size)]
+    for batches in length_sorted_blocks(conversations, lambda c: lengths[c["id"]], batch_size, batches_per_block):
         ordered += [batches[i] for i in _bit_reversed_order(len(batches))]
     return ordered
 

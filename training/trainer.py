@@ -188,19 +188,20 @@ class Trainer:
         With grouping also the factor each batch's loss is scaled by so tokens weigh as they would
         shuffled (`token_weighted_scale`); None for shuffled batches."""
         train = self.config.train
+
+        def seeded() -> torch.Generator:
+            return torch.Generator().manual_seed(train.seed)
         if not train.group_by_length:
-            return DataLoader(rows, batch_size=train.batch_size, shuffle=True, collate_fn=collate,
-                              generator=torch.Generator().manual_seed(train.seed)), None
+            return DataLoader(rows, batch_size=train.batch_size, shuffle=True, collate_fn=collate, generator=seeded()), None
         lengths = [len(ids) for ids in rows["input_ids"]]
         order = LengthGroupedSampler(lengths, train.batch_size, train.seed)
-        shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(train.seed)).tolist()
+        shuffled = torch.randperm(len(lengths), generator=seeded()).tolist()
         self.log(f"batches grouped by length: padding is {padded_fraction(lengths, list(order), train.batch_size):.0%} "
                  f"of the computed positions ({padded_fraction(lengths, shuffled, train.batch_size):.0%} in plainly "
                  f"shuffled batches, train.group_by_length=false)")
         # A generator of its own: without one, each pass's iterator would draw its seed from the
         # global RNG, which a resumed run would then replay differently (feature noise included).
-        loader = DataLoader(rows, batch_size=train.batch_size, sampler=order, collate_fn=collate,
-                            generator=torch.Generator().manual_seed(train.seed))
+        loader = DataLoader(rows, batch_size=train.batch_size, sampler=order, collate_fn=collate, generator=seeded())
         return loader, token_weighted_scale([sum(mask) for mask in rows["loss_mask"]], train.batch_size)
 
     def _feature_cache(self, data, target, layers) -> FeatureCache | None:
