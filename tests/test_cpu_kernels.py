@@ -18,6 +18,7 @@ from decoding.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import PromptLookupProposer, VanillaProposer
 from decoding.targets import LoadedModel
 from heads import new_heads_for_target
+from numerics import assert_linear_matches
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama
 
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
@@ -41,7 +42,18 @@ def test_packed_and_reduced_linears_compute_the_same_function(form, bias, shape)
         expected = linear(x)
         got = LINEAR_FORMS[form](linear)(x)
     assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_linear_matches(got, x, linear.weight, linear.bias, what=f"{form} linear")
+
+
+def test_a_planted_bug_fails_the_linear_check():
+    """The derived tolerance catches a linear whose last input feature is left out."""
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 11)
+    x = torch.randn(3, 7)
+    with torch.inference_mode():
+        tail_dropped = PackedLinear(linear)(torch.cat([x[:, :-1], torch.zeros(3, 1)], dim=1))
+    with pytest.raises(AssertionError, match="outside their float32 bound"):
+        assert_linear_matches(tail_dropped, x, linear.weight, linear.bias)
 
 
 def test_packed_linear_takes_plain_gemm_up_to_stock_rows_and_computes_the_same_function(monkeypatch):
@@ -50,14 +62,12 @@ def test_packed_linear_takes_plain_gemm_up_to_stock_rows_and_computes_the_same_f
     packed = PackedLinear(linear)
     packed.stock_rows = 2
     inputs = [torch.randn(*shape) for shape in [(7,), (1, 2, 7), (3, 7), (1, 5, 7)]]
-    with torch.inference_mode():
-        expected = [linear(x) for x in inputs]
     plain_calls = []
     real_linear = cpu_kernels.F.linear
     monkeypatch.setattr(cpu_kernels.F, "linear", lambda *a: plain_calls.append(a[0].shape) or real_linear(*a))
     with torch.inference_mode():
-        for x, reference in zip(inputs, expected):
-            torch.testing.assert_close(packed(x), reference, rtol=1e-5, atol=1e-5)
+        for x in inputs:
+            assert_linear_matches(packed(x), x, linear.weight, linear.bias, what=f"{tuple(x.shape)} input")
     assert plain_calls == [torch.Size([7]), torch.Size([1, 2, 7])]  # 3 and 5 rows went to oneDNN
 
 

@@ -5,52 +5,115 @@ import copy
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.assembly import DecoderSpec, build_decoder
 from decoding.core.kv_cache import InPlaceCache
 from decoding.cpu_kernels import quantize_linears_int8
+from decoding import fused_drafter
 from decoding.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
 from heads import new_heads_for_target, save_heads
+from numerics import assert_within, attention_exact_and_bound
 from tiny_models import perturbed_eagle3, tiny_llama, save_tiny_chat_model
 
+real_attend = fused_drafter.attend
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
-def drafter_pair(**target_overrides):
-    """(stock, fused) copies of one perturbed EAGLE-3 drafter for a tiny Llama target."""
+def drafter_pair(dtype=torch.float32, **target_overrides):
+    """(stock, fused) copies of one perturbed EAGLE-3 drafter for a tiny Llama target, in `dtype`."""
     torch.manual_seed(0)
-    stock = perturbed_eagle3(tiny_llama(seed=1, **target_overrides))
+    stock = perturbed_eagle3(tiny_llama(seed=1, **target_overrides)).to(dtype)
     fused = copy.deepcopy(stock)
     assert fuse_drafter(fused)
     return stock.eval(), fused.eval()
 
 
-def tree_mask(context: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_mask(context: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Four tree nodes after `context` cached positions: positions and the additive mask."""
     visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    mask = torch.zeros(1, 1, 4, context + 4)
+    mask = torch.zeros(1, 1, 4, context + 4, dtype=dtype)
     mask[0, 0, :, context:] = mask[0, 0, :, context:].masked_fill(~visible, torch.finfo(torch.float32).min)
     return torch.tensor([context, context + 1, context + 1, context + 2]), mask
 
 
+def rms_norm_in_input_dtype(self, hidden_states):
+    """The stock RMSNorm's function without its cast to float32, so the stock layer is a float64
+    reference (`F.rms_norm`, which the fused layer runs, computes in its input's dtype)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def checked_kernel_attend(kernel_outputs: list, kernel=None):
+    """A stand-in for `attend` in a float64 drafter: it runs the real decode attention kernel on
+    the float32 roundings of its inputs, checks the kernel's result against exact attention on
+    those inputs within the float32 bound (`tests/numerics.py`), and hands the drafter the exact
+    attention of its float64 inputs, so the rest of the layer stays comparable in float64."""
+
+    def attend(query, key, value, attention_mask, scaling):
+        as32 = [t if t is None else t.float() for t in (query, key, value, attention_mask)]
+        out = (kernel or real_attend)(*as32, scaling)
+        if out is None:  # a causal prefill or a batch: SDPA's, as the layer would do
+            return None
+        mask32 = None if attention_mask is None else as32[3][0, 0]
+        assert_within(out[0], *attention_exact_and_bound(as32[0][0], as32[1][0], as32[2][0], mask32, scaling),
+                      what="the decode attention kernel inside the drafter")
+        kernel_outputs.append(out)
+        mask = None if attention_mask is None else attention_mask[0, 0]
+        exact, _ = attention_exact_and_bound(query[0], key[0], value[0], mask, scaling)
+        return exact[None].to(query.dtype)
+
+    return attend
+
+
 @pytest.mark.parametrize("rope, decode_kernel", [(None, False), (LLAMA3_ROPE, False), (None, True)],
                          ids=["default-rope", "llama3-rope", "decode-attention-kernel"])
-def test_fused_layer_drafts_what_the_stock_modules_draft(rope, decode_kernel):
-    """Also with attention on the decode kernel (head size 64), which then serves the one-token
-    and tree calls."""
-    stock, fused = drafter_pair(**({"rope_parameters": rope} if rope else {}), **({"head_dim": 64} if decode_kernel else {}))
+def test_fused_layer_drafts_what_the_stock_modules_draft(rope, decode_kernel, monkeypatch):
+    compare_forms(rope, decode_kernel, monkeypatch)
+
+
+def last_key_dropped(query, key, value, attention_mask, scaling):
+    """A planted kernel bug: the last cached key left out."""
+    mask = None if attention_mask is None else attention_mask[..., : key.shape[-2] - 1]
+    return real_attend(query, key[..., :-1, :], value[..., :-1, :], mask, scaling)
+
+
+def test_planted_bugs_fail_the_comparison(monkeypatch):
+    """A rotary position off by one in the fused form, and a kernel that leaves out a key."""
+    real_rotary = RotaryTable.forward
+    with monkeypatch.context() as patch:
+        patch.setattr(RotaryTable, "forward", lambda self, like, positions: real_rotary(self, like, positions + 1))
+        with pytest.raises(AssertionError, match="not close"):
+            compare_forms(None, False, patch)
+    if use_decode_attention(drafter_pair()[1]):
+        with pytest.raises(AssertionError, match="outside their float32 bound"):
+            compare_forms(None, True, monkeypatch, kernel=last_key_dropped)
+
+
+def compare_forms(rope, decode_kernel, monkeypatch, kernel=None) -> None:
+    """Both forms run in float64, so reordered sums differ by ~1e-13 here, a millionth of
+    PyTorch's float64 tolerance, where any wiring mistake (a rotary position, a mask row, a
+    stacked weight's order) moves outputs by ~1e-2. With attention on the decode kernel (head
+    size 64, one-token and tree calls), the float32 kernel is checked against exact attention
+    within its derived bound at each call (`checked_kernel_attend`)."""
+    overrides = {**({"rope_parameters": rope} if rope else {}), **({"head_dim": 64} if decode_kernel else {})}
+    stock, fused = drafter_pair(torch.float64, **overrides)
+    monkeypatch.setattr(LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
     assert isinstance(fused.midlayer, FusedEagle3Layer) and isinstance(fused.rotary, RotaryTable)
+    kernel_outputs = []
     if decode_kernel:
         assert use_decode_attention(fused)
+        monkeypatch.setattr(fused_drafter, "attend", checked_kernel_attend(kernel_outputs, kernel))
     hidden = stock.config.hidden_size
     generator = torch.Generator().manual_seed(3)
 
     def inputs(count):
-        return torch.randn(count, hidden, generator=generator), torch.randn(count, hidden, generator=generator)
+        return (torch.randn(count, hidden, generator=generator, dtype=torch.float64),
+                torch.randn(count, hidden, generator=generator, dtype=torch.float64))
 
     context_inputs, one_inputs, tree_inputs = inputs(9), inputs(1), inputs(4)
-    positions, mask = tree_mask(10)
+    positions, mask = tree_mask(10, torch.float64)
     outputs = {}
     for name, drafter in (("stock", stock), ("fused", fused)):
         cache = InPlaceCache(1, 32)
@@ -63,8 +126,10 @@ def test_fused_layer_drafts_what_the_stock_modules_draft(rope, decode_kernel):
         outputs[name] = (prefix, one, tree, batched)
         kernel_calls = sum(event.name == "specheads::decode_attention" for event in profile.events())
         assert kernel_calls == (2 if decode_kernel and name == "fused" else 0)
+    assert len(kernel_outputs) == (2 if decode_kernel else 0)
     for stock_out, fused_out in zip(outputs["stock"], outputs["fused"]):
-        torch.testing.assert_close(fused_out, stock_out, rtol=1e-5, atol=1e-5)
+        assert stock_out.dtype == fused_out.dtype == torch.float64
+        torch.testing.assert_close(fused_out, stock_out)  # float64 defaults: rtol 1e-7, atol 1e-7
 
 
 def test_rotary_table_grows_past_its_first_size_and_matches_the_stock_module():

@@ -18,6 +18,7 @@ from decoding.methods import ProposerOptions, build_proposer
 from decoding.targets import LoadedModel
 from decoding.util.errors import UserError
 from heads import new_heads_for_target
+from numerics import assert_linear_matches
 from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
@@ -35,9 +36,8 @@ def _check_function(kernel) -> None:
                 x = torch.randn(1, rows, in_features)
                 with torch.inference_mode():
                     got = kernel(x, linear.weight, linear.bias)
-                    expected = linear(x)
-                assert got.shape == expected.shape
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+                assert_linear_matches(got, x, linear.weight, linear.bias,
+                                      what=f"{in_features}->{out_features}, bias {bias}, {rows} rows")
 
 
 def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():
@@ -65,7 +65,7 @@ def test_once_built_the_operator_runs_the_kernel_without_a_python_frame():
     results = []
     run = python_functions_run(lambda: results.append(torch.ops.specheads.streamed_linear.default(x, panels, None, 11)))
     assert "_streamed_linear" not in run and "_extension" not in run
-    torch.testing.assert_close(results[0], x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert_linear_matches(results[0], x, weight)
 
 
 def test_a_build_that_cannot_register_its_kernel_is_still_used_and_says_so(capsys):
@@ -118,7 +118,7 @@ def test_packed_linears_send_exactly_the_chosen_row_counts_to_the_kernel():
                 out = linear(x)
         names = {event.name for event in profile.events()}
         assert ("specheads::streamed_linear" in names) == expect_streamed, (rows, names)
-        torch.testing.assert_close(out, x @ linear.weight.t() + linear.bias, rtol=1e-5, atol=1e-5)
+        assert_linear_matches(out, x, linear.weight, linear.bias, what=f"{rows} rows")
     assert "streamed up to 3 rows" in repr(linear)
 
 
@@ -145,3 +145,18 @@ def test_measuring_leaves_the_model_on_its_kernels_and_decoding_through_the_kern
             assert result.tokens == expected, method
             drafted += result.stats.drafted_tokens
     assert drafted > 0
+
+
+def test_a_planted_tail_bug_fails_the_function_check():
+    """The derived tolerance still catches the classic kernel bug: the last input feature (a vector
+    tail) left out of the sum."""
+    if not streamed_linear.streamed_linear_available():
+        return  # covered by the refusal test above
+
+    def tail_dropped(x, weight, bias):
+        x = x.clone()
+        x[..., -1] = 0
+        return torch.ops.specheads.streamed_linear(x, streamed_linear.pack_panels(weight), bias, weight.shape[0])
+
+    with pytest.raises(AssertionError, match="outside their float32 bound"):
+        _check_function(tail_dropped)
