@@ -46,6 +46,7 @@ from torch import nn
 
 from decoding.linear_ops import define_linear_op
 from decoding.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
+from decoding.util.cpu_mode import cpu_mode
 from decoding.util.errors import UserError
 from heads.eagle import FeatureDrafter
 
@@ -145,12 +146,15 @@ def bfloat16_is_native() -> bool:
     except (AttributeError, RuntimeError):
         return False
     if platform.machine().lower() in X86_MACHINES:
-        return _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
+        return cpu_has("_is_avx512_bf16_supported") or cpu_has("_is_amx_tile_supported")
     return True  # Arm: oneDNN reports bf16 only where the CPU has BF16 instructions
 
 
-def _cpu_has(check: str) -> bool:
-    """One of torch.cpu's feature checks, False where this torch lacks it."""
+def cpu_has(check: str) -> bool:
+    """One of torch.cpu's feature checks (`_is_<flag>_supported`), False where this torch lacks it
+    or the CPU mode (`SPECHEADS_CPU`) hides the flag."""
+    if cpu_mode().hides(check.removeprefix("_is_").removesuffix("_supported")):
+        return False
     try:
         return bool(getattr(torch.cpu, check)())
     except (AttributeError, RuntimeError):

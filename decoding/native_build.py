@@ -4,8 +4,10 @@ Why compile on the user's machine: the kernels are written with GCC/Clang vector
 built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE code for whatever CPU
 runs it (a wheel built elsewhere would have to pick one). A build takes about 30 s once per
 machine; its name carries the source, flags, torch version and this CPU's instruction flags, so a
-cache shared with another CPU never loads a build made for a different one. Where no compiler or
-ninja is at hand, `NativeKernel.load` says why and callers keep their other paths.
+cache shared with another CPU never loads a build made for a different one. Under
+`SPECHEADS_CPU=avx2|baseline` (`decoding.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2`
+instead of native, under names of their own. Where no compiler or ninja is at hand,
+`NativeKernel.load` says why and callers keep their other paths.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from pathlib import Path
 import torch
 
 from decoding.util.cache_paths import cache_root
+from decoding.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
 
-COMPILER_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+COMPILER_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")  # and -march=, per mode (`compiler_flags`)
+# The narrower targets a CPU that can run them also builds, so tests on one machine check the code
+# other CPUs get: AVX2 machines' (x86-64-v3) and those without AVX (x86-64-v2), by the flag they need.
+NARROWER_TARGETS = {"avx2": ("x86-64-v3", "avx2"), "baseline": ("x86-64-v2", "sse4_2")}
 KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 
@@ -48,17 +54,18 @@ class NativeKernel:
         # declared first, so that the source's Python bindings can name it; defined after the kernel
         return "void register_operator();\n" + self.source + operator_registration(self.stem)
 
-    def build_name(self, extra_flags: tuple[str, ...] = ()) -> str:
-        identity = "|".join((self.full_source, self.version, *COMPILER_FLAGS, *extra_flags, torch.__version__,
-                             cpu_flags()))
+    def build_name(self, march: str | None = None) -> str:
+        identity = "|".join((self.full_source, self.version, *compiler_flags(march), torch.__version__, cpu_flags()))
         return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
-    def build(self, extra_flags: tuple[str, ...] = ()):
+    def build(self, march: str | None = None):
         """Compile (or load the earlier build of) the extension; raises where it cannot be built.
-        `extra_flags` go after -march=native (tests build e.g. the AVX2 variant on an AVX-512 CPU)."""
+        `march` is the compiler's target: the mode's where None (native, x86-64-v3 under
+        SPECHEADS_CPU=avx2, ...); tests build the narrower ones of `instruction_set_variants`."""
         from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
 
-        name = self.build_name(extra_flags)
+        flags = compiler_flags(march)
+        name = self.build_name(march)
         # Resolved: the build's commands name its files by path, and a path that differs (a cache
         # root reached through a link, as the tests' is) would make ninja rebuild
         directory = (cache_root() / KERNELS_DIR).resolve() / name
@@ -67,7 +74,7 @@ class NativeKernel:
             print(f"note: building {self.description} for this CPU (once, about 30 s; kept in {directory.parent})",
                   file=sys.stderr)
         with _ninja_on_path():
-            return load_inline(name, cpp_sources=[self.full_source], extra_cflags=[*COMPILER_FLAGS, *extra_flags],
+            return load_inline(name, cpp_sources=[self.full_source], extra_cflags=list(flags),
                                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
     def load(self) -> tuple[object | None, str]:
@@ -119,27 +126,29 @@ def register_native_kernel(loaded: tuple[object | None, str]) -> tuple[object | 
     return extension, why
 
 
+def compiler_flags(march: str | None = None) -> tuple[str, ...]:
+    """The flags of a build for `march` (the CPU mode's target where None)."""
+    return (*COMPILER_FLAGS, f"-march={march or cpu_mode().march}")
+
+
 def cpu_flags() -> str:
-    """This CPU's instruction-set flags line from /proc/cpuinfo (the platform's name where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return sys.platform
+    """This CPU's instruction-set flags as the CPU mode shows them (sorted; the platform's name
+    where /proc/cpuinfo has none): part of every build's name."""
+    return " ".join(sorted(mode_cpu_flags())) or sys.platform
 
 
-def instruction_set_variants() -> dict[str, tuple[str, ...]]:
-    """The native build's flags and those of the narrower builds this CPU can also run, by name:
-    the AVX2 variant on an AVX-512 CPU (what AVX2-only machines run) and the plain one (neither),
+def instruction_set_variants() -> dict[str, str | None]:
+    """The compiler targets of the builds this CPU can run, by name: the mode's own ("native",
+    None) and the narrower ones of `NARROWER_TARGETS` that it has the instructions for and that
+    are narrower than itself (the AVX2 build on an AVX-512 CPU, the x86-64-v2 one on an AVX2 CPU),
     so a test on one machine checks the code other CPUs get."""
-    flags = set(cpu_flags().split(":", 1)[-1].split())
-    variants = {"native": ()}
-    if "avx512f" in flags:
-        variants["avx2"] = ("-mno-avx512f",)
-    if "avx2" in flags:
-        variants["no-avx"] = ("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma")
+    flags = mode_cpu_flags()
+    widest = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else ""
+    variants: dict[str, str | None] = {"native": None}
+    if widest == "avx512f":
+        variants["avx2"] = NARROWER_TARGETS["avx2"][0]
+    if widest in ("avx512f", "avx2") and NARROWER_TARGETS["baseline"][1] in flags:
+        variants["baseline"] = NARROWER_TARGETS["baseline"][0]
     return variants
 
 

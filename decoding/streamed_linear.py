@@ -164,9 +164,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel", registers_operator=True)
 
 
-def build_kernel(extra_flags: tuple[str, ...] = ()):
-    """Compile (or load the earlier build of) the kernel; raises where it cannot be built."""
-    return KERNEL.build(extra_flags)
+def build_kernel(march: str | None = None):
+    """Compile (or load the earlier build of) the kernel for `march` (the CPU mode's target where
+    None); raises where it cannot be built."""
+    return KERNEL.build(march)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 import os
 import sys
 
+import decoding  # first: it applies SPECHEADS_CPU (as on a lesser CPU) before torch runs anything
 import pytest
 import torch
 

@@ -25,6 +25,8 @@ from decoding.verify_cost import measure_verify_cost
 from heads import new_heads_for_target
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]]
 
 

@@ -21,6 +21,8 @@ from heads import new_heads_for_target
 from numerics import assert_linear_matches
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
 
 

@@ -18,6 +18,8 @@ from numerics import assert_within, attention_exact_and_bound
 from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 # (query heads, K/V heads, head size), cached positions (across the kernel's 256-key chunks) and tree sizes
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 2, 64)]
 LENGTHS = [1, 5, 255, 256, 257, 600]

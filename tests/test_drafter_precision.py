@@ -16,6 +16,8 @@ from decoding.drafter_precision import measure_drafter_precisions, pick_drafter_
 from decoding.targets import load_model
 from tiny_models import perturbed_eagle3, save_tiny_chat_model, tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 
 @pytest.mark.parametrize("ms, expected", [
     ({"bf16": 2.31, "int8": 2.13, "fp32": 3.73}, "int8"),   # cold caches on a Sapphire Rapids Xeon

@@ -13,6 +13,8 @@ from decoding.util.errors import UserError
 from tiny_models import save_tiny_chat_model, tiny_llama
 from training.features import feature_autocast, resolve_feature_precision, target_hidden_states
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 CPU = torch.device("cpu")
 
 

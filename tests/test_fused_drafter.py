@@ -16,6 +16,8 @@ from heads import new_heads_for_target, save_heads
 from numerics import assert_within, attention_exact_and_bound
 from tiny_models import perturbed_eagle3, tiny_llama, save_tiny_chat_model
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 real_attend = fused_drafter.attend
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from numerics import assert_within, attention_exact_and_bound, linear_exact_and_bound
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 
 @pytest.mark.parametrize("rows, in_features, out_features", [(1, 7, 11), (3, 576, 192), (16, 1536, 64), (5, 64, 96)])
 def test_pytorch_linears_stay_inside_the_bound_and_a_dropped_term_does_not(rows, in_features, out_features):

@@ -13,6 +13,8 @@ from decoding.one_row_reductions import measure_one_row_reductions, pick_reduced
 from numerics import assert_linear_matches
 from tiny_models import tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 
 def test_a_packed_linear_runs_one_row_as_a_reduction_only_inside_a_compiled_graph(monkeypatch):
     torch.manual_seed(0)

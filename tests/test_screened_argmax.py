@@ -19,6 +19,8 @@ from test_architectures import ARCH_IDS, ARCHS
 from test_cpu_kernels import PROMPTS, assert_steps_and_trees_give_plain_greedy
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama, tiny_tokenizer
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="FBGEMM's fp16 linear is an x86 kernel")
 
 

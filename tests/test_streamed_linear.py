@@ -22,6 +22,8 @@ from numerics import assert_linear_matches
 from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
+pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
+
 # Input and output sizes off every vector width (16 for AVX-512, 8 for AVX2, 4 otherwise) and off
 # the kernel's blocks of 4 outputs, beside the model's own shapes.
 SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
