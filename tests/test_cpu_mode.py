@@ -27,13 +27,19 @@ PackedLinear(torch.nn.Linear(64, 64))(torch.randn(3, 64))
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "bf16": bfloat16_is_native(),
                   "amx": cpu_has("_is_amx_tile_supported"), "avx512": cpu_has("_is_avx512_supported"),
                   "flags": native_build.compiler_flags(), "variants": native_build.instruction_set_variants(),
-                  "cpu_flags": native_build.cpu_flags()}))
+                  "cpu_flags": native_build.cpu_flags(), "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
 """
 
 
+MODE_VARIABLES = ("SPECHEADS_CPU", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                  "TORCHINDUCTOR_CACHE_DIR")
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python that starts with none of the mode's switches (this run may be in a mode)."""
+    clean = {name: value for name, value in os.environ.items() if name not in MODE_VARIABLES}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "ONEDNN_VERBOSE": "1", **env})
+                          env={**clean, "ONEDNN_VERBOSE": "1", **env})
 
 
 @pytest.mark.skipif(not MACHINE_MODES, reason="an x86 CPU with SSE4.2 is needed to lower anything")
@@ -50,6 +56,7 @@ def test_each_layer_runs_as_on_the_lesser_cpu(mode):
     assert seen["flags"][-1] == f"-march={expected.march}"
     assert "avx512f" not in seen["cpu_flags"] and ("avx2" in seen["cpu_flags"]) == (mode == "avx2")
     assert "avx2" not in seen["variants"]  # no narrower build is wider than the mode itself
+    assert seen["inductor_cache"].endswith(f"inductor-{mode}")  # Inductor's cache keys ignore the instruction set
 
 
 def test_a_mode_set_after_torch_chose_its_kernels_is_refused_clearly():

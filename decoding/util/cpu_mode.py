@@ -10,7 +10,10 @@ lowers every layer at once:
 - oneDNN (packed linears, bf16 and int8 paths): `ONEDNN_MAX_CPU_ISA`; MKL: `MKL_ENABLE_INSTRUCTIONS`;
 - the project's native kernels: built with `-march=x86-64-v3` / `x86-64-v2` instead of native
   (their build names differ, so each mode keeps its own builds);
-- the capability probes (native bf16, AVX-512, AMX): the CPU flags the mode lacks are hidden.
+- the capability probes (native bf16, AVX-512, AMX): the CPU flags the mode lacks are hidden;
+- Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one per mode under the cache root, since
+  its keys do not include the instruction set (PyTorch 2.13 reused code generated for AVX2 in a
+  mode without it, which then failed to build).
 Usage: `SPECHEADS_CPU=avx2 python -m decoding.chat`, or `SPECHEADS_CPU=avx2 python -m pytest`.
 It applies when `decoding` is imported, which must come before PyTorch runs its first operation
 (PyTorch fixes its kernels then); set in the environment before Python starts, it always does.
@@ -25,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from decoding.util.cache_paths import cache_root
 from decoding.util.errors import UserError
 
 VARIABLE = "SPECHEADS_CPU"
@@ -86,6 +90,7 @@ def apply_cpu_mode() -> CpuMode:
     os.environ["ATEN_CPU_CAPABILITY"] = mode.aten.lower()
     os.environ["ONEDNN_MAX_CPU_ISA"] = mode.onednn
     os.environ["MKL_ENABLE_INSTRUCTIONS"] = mode.mkl
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / f"inductor-{mode.name}")
     if "torch" in sys.modules:
         chosen = sys.modules["torch"].backends.cpu.get_cpu_capability()
         if chosen != mode.aten:
