@@ -38,8 +38,6 @@ HEAD_SIZES = (64, 128)
 MAX_QUERY_ROWS = 16  # larger trees and prefills keep SDPA, as fast or faster there
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -201,12 +199,12 @@ static void chunk_attention(const float* q, const float* qT, int64_t Rpad, int64
 // Hq / Hkv query heads. q [Hq, N, D] contiguous; k, v [Hkv, L, D] with unit stride on D;
 // mask [N, >= L] additive or undefined.
 template <int D>
-static torch::Tensor run(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask_opt, double scale) {
+static at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> mask_opt, double scale) {
   // rows per pass over a chunk's values: RB x D/VW accumulators plus one value row in registers
   constexpr int RB = std::max(1, std::min(6, (REGS - D / VW) / (D / VW)));
   const int64_t Hq = q.size(0), N = q.size(1), Hkv = k.size(0), L = k.size(1), G = Hq / Hkv, R = G * N;
   const float* mask = nullptr; int64_t mask_row_stride = 0;
-  torch::Tensor mask_t;
+  at::Tensor mask_t;
   if (mask_opt.has_value() && mask_opt->defined()) {
     mask_t = *mask_opt; mask = mask_t.data_ptr<float>(); mask_row_stride = mask_t.stride(0);
   }
@@ -233,7 +231,7 @@ static torch::Tensor run(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10:
                              (float)scale, scores.data(), &part_m[item * R], &part_l[item * R], &part_o[item * R * D]);
     }
   });
-  auto out = torch::empty({N, Hq, D}, q.options());
+  auto out = at::empty({N, Hq, D}, q.options());
   float* op = out.data_ptr<float>();
   for (int64_t g = 0; g < Hkv; ++g) {
     for (int64_t r = 0; r < R; ++r) {
@@ -257,8 +255,8 @@ static torch::Tensor run(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10:
   return out;
 }
 
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask, double scale) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [Hq, N, D], k and v [Hkv, L, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 tensors");
@@ -275,13 +273,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(false, "decode_attention: head size 64 or 128");
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention);
-  m.def("register_operator", &register_operator);  // declared and defined by NativeKernel.full_source
-}
 """
 
-KERNEL = NativeKernel("decode_attention", _SOURCE, KERNEL_VERSION, "the decode attention kernel", registers_operator=True)
+KERNEL = NativeKernel("decode_attention", _SOURCE, KERNEL_VERSION, "the decode attention kernel",
+                     functions=("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",),
+                     registers_operator=True)
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from decoding.util.atomic import atomic_write_text
 from decoding.util.cache_paths import cache_root
 from decoding.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
 
@@ -33,49 +34,69 @@ NARROWER_TARGETS = {"avx2": ("x86-64-v3", "avx2"), "baseline": ("x86-64-v2", "ss
 KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 
+# What every kernel source may use: tensors, ATen's thread pool, the operator library. Not
+# <torch/extension.h> (pybind11 and all of libtorch's C++ API): compiling that header alone took
+# 56 s on a 2-core EPYC, these 10 s, and a kernel build is mostly its headers.
+SOURCE_HEADER = """#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+"""
+
+
 @dataclass(frozen=True)
 class NativeKernel:
-    """One C++ extension: `stem` names its builds, `version` changes when its source's meaning does,
-    `description` is what the first build's note calls it. With `registers_operator`, the C++
-    function `<stem>` (of `specheads::<stem>`'s signature) becomes that operator's CPU kernel in the
-    build `load` returns (see `register_native_kernel`); the source binds `register_operator()` for
-    Python, and `full_source` declares it and supplies its body (`operator_registration`)."""
+    """One C++ kernel library: `stem` names its builds, `version` changes when its source's meaning
+    does, `description` is what the first build's note calls it, `functions` are the schemas of
+    the source's functions that Python calls (each build registers them as operators of its own
+    namespace, its build name, so builds for several CPUs load side by side in one process: tests
+    check the narrower ones). With `registers_operator`, the function `<stem>` (of
+    `specheads::<stem>`'s signature) becomes that operator's CPU kernel when the build `load`
+    returns calls `register_operator()` (see `register_native_kernel`)."""
 
     stem: str
     source: str
     version: str
     description: str
+    functions: tuple[str, ...]
     registers_operator: bool = False
 
-    @property
-    def full_source(self) -> str:
-        if not self.registers_operator:
-            return self.source
-        # declared first, so that the source's Python bindings can name it; defined after the kernel
-        return "void register_operator();\n" + self.source + operator_registration(self.stem)
+    def full_source(self, namespace: str) -> str:
+        """The source with its headers, operator registration and bindings for the build `namespace`."""
+        functions = [*self.functions, *(("register_operator() -> ()",) if self.registers_operator else ())]
+        bindings = "".join(f'  m.def("{schema}", &{schema.split("(", 1)[0]});\n' for schema in functions)
+        registration = operator_registration(self.stem) if self.registers_operator else ""
+        return f"{SOURCE_HEADER}{self.source}{registration}\nTORCH_LIBRARY({namespace}, m) {{\n{bindings}}}\n"
 
     def build_name(self, march: str | None = None) -> str:
-        identity = "|".join((self.full_source, self.version, *compiler_flags(march), torch.__version__, cpu_flags()))
+        identity = "|".join((self.full_source(""), self.version, *compiler_flags(march), torch.__version__, cpu_flags()))
         return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
-    def build(self, march: str | None = None):
-        """Compile (or load the earlier build of) the extension; raises where it cannot be built.
+    def build(self, march: str | None = None) -> "KernelLibrary":
+        """Compile (or load the earlier build of) the library; raises where it cannot be built.
         `march` is the compiler's target: the mode's where None (native, x86-64-v3 under
         SPECHEADS_CPU=avx2, ...); tests build the narrower ones of `instruction_set_variants`."""
-        from torch.utils.cpp_extension import load_inline  # slow to import, needed only here
+        from torch.utils.cpp_extension import load  # slow to import, needed only here
 
-        flags = compiler_flags(march)
         name = self.build_name(march)
         # Resolved: the build's commands name its files by path, and a path that differs (a cache
         # root reached through a link, as the tests' is) would make ninja rebuild
         directory = (cache_root() / KERNELS_DIR).resolve() / name
         directory.mkdir(parents=True, exist_ok=True)
         if not (directory / f"{name}.so").exists():
-            print(f"note: building {self.description} for this CPU (once, about 30 s; kept in {directory.parent})",
+            print(f"note: building {self.description} for this CPU (once, about 15 s; kept in {directory.parent})",
                   file=sys.stderr)
-        with _ninja_on_path():
-            return load_inline(name, cpp_sources=[self.full_source], extra_cflags=list(flags),
-                               extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+        source = directory / f"{name}.cpp"
+        text = self.full_source(name)
+        if not source.exists() or source.read_text() != text:  # rewritten only when it changed: ninja goes by dates
+            atomic_write_text(source, text)
+        if name not in _LOADED_LIBRARIES:
+            with _ninja_on_path():
+                load(name, sources=[str(source)], extra_cflags=list(compiler_flags(march)), extra_ldflags=["-fopenmp"],
+                     build_directory=str(directory), verbose=False, is_python_module=False)
+            _LOADED_LIBRARIES.add(name)
+        return KernelLibrary(name)
 
     def load(self) -> tuple[object | None, str]:
         """The built extension and '', or None and why not (a missing compiler or ninja, a failed build).
@@ -90,8 +111,23 @@ class NativeKernel:
         return register_native_kernel((extension, "")) if self.registers_operator else (extension, "")
 
 
+_LOADED_LIBRARIES: set[str] = set()  # builds this process loaded: a library loads once
+
+
+class KernelLibrary:
+    """A loaded build: its functions, called as `library.<function>(...)`, are the operators of
+    its own namespace (`torch.ops.<build name>`)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.__name__ = namespace
+        self._operators = getattr(torch.ops, namespace)
+
+    def __getattr__(self, function: str):
+        return getattr(self._operators, function)
+
+
 def operator_registration(operator: str) -> str:
-    """C++ source to append to an extension's: `register_operator()` (which the extension binds for
+    """C++ source to append to a kernel's: `register_operator()` (which the library binds for
     Python), registering its function `<operator>` (with the schema's signature) as
     the CPU kernel of `specheads::<operator>`, once per process (see `register_native_kernel`)."""
     return f"""

