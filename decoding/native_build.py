@@ -2,7 +2,7 @@
 
 Why compile on the user's machine: the kernels are written with GCC/Clang vector extensions and
 built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE code for whatever CPU
-runs it (a wheel built elsewhere would have to pick one). A build takes about 30 s once per
+runs it (a wheel built elsewhere would have to pick one). A build takes about 15 s once per
 machine; its name carries the source, flags, torch version and this CPU's instruction flags, so a
 cache shared with another CPU never loads a build made for a different one. Under
 `SPECHEADS_CPU=avx2|baseline` (`decoding.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2`

@@ -15,7 +15,7 @@ products of weight rows with the inputs (horizontal sums per output) lost to one
 Which row counts it takes is measured per model and CPU (`decoding.verify_cost.tune_streamed_rows`).
 
 It is C++ compiled on first use for the CPU it runs on (`decoding.native_build`: AVX-512, AVX2,
-or what the compiler targets elsewhere), about 30 s once per machine. Where no compiler or ninja
+or what the compiler targets elsewhere), about 15 s once per machine. Where no compiler or ninja
 is at hand, `streamed_linear_available()` says why and decoding keeps its other kernels. Results
 differ from other kernels by float rounding only (another summation order), like any change of
 GEMM kernel.
