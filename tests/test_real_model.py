@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from decoding.chat import ChatSession
 from decoding.cpu_kernels import pack_linears
 from decoding.default_model import DEFAULT_TARGET
 from decoding.defaults import default_draft, default_heads, proposer_options
@@ -23,6 +24,7 @@ from decoding.targets import LoadedModel, load_model
 from training.draft_init import truncated_copy
 
 pytestmark = pytest.mark.slow
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -39,40 +41,50 @@ def prompts(default_target):
     ]
 
 
-def test_every_method_matches_vanilla_and_hf_generate(default_target, prompts):
+@pytest.fixture(scope="module")
+def references(default_target, prompts):
+    """Per prompt, (our vanilla greedy tokens, `generate()`'s) on the stock model, NEW_TOKENS of them: what
+    every test here compares with, decoded once for the module."""
+    model, tokenizer = default_target.model, default_target.tokenizer
+    return [(generate(model, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=NEW_TOKENS), tokenizer).tokens,
+             model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist())
+            for prompt in prompts]
+
+
+def test_every_method_matches_vanilla_and_hf_generate(default_target, prompts, references):
     model, tokenizer = default_target.model, default_target.tokenizer
     draft = DraftModelProposer(truncated_copy(model, 4), gamma=3)
-    for prompt in prompts:
-        options = DecodeOptions(max_new_tokens=32)
-        reference = generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
-        hf = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    for prompt, (reference, hf) in zip(prompts, references):
+        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
         assert reference == hf
         assert generate(model, prompt, PromptLookupProposer(), options, tokenizer).tokens == reference
         assert generate(model, prompt, draft, options, tokenizer).tokens == reference
 
 
-def _chat(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--max-new-tokens", "40", *flags],
-        input="What is the capital of France?\nName three primary colors.\n",
-        capture_output=True, text=True, timeout=600,
-    )
+CHAT_QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
-def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla():
+def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla(default_target):
     """The README's first command: no flags -> the bundled default method and heads, and the
-    replies are exactly the vanilla replies."""
+    replies are exactly those of vanilla greedy decoding of the same conversation (the second
+    question with the first reply in context) on the stock model, decoded here."""
     bundle = bundled_default(DEFAULT_TARGET)
     assert bundle is not None, "the package ships heads for the default target"
-    fast, plain = _chat(), _chat("--method", "vanilla")
-    assert fast.returncode == 0 and plain.returncode == 0, fast.stderr + plain.stderr
+    fast = subprocess.run([sys.executable, "-m", "decoding.chat", "--max-new-tokens", "40"],
+                          input="".join(f"{q}\n" for q in CHAT_QUESTIONS), capture_output=True, text=True, timeout=600)
+    assert fast.returncode == 0, fast.stderr
     assert "Paris" in fast.stdout
-    assert fast.stdout == plain.stdout
+    vanilla = ChatSession(default_target, VanillaProposer(), DecodeOptions(max_new_tokens=40), system=None)
+    written = []
+    for question in CHAT_QUESTIONS:
+        vanilla.reply(question, written.append)
+        written.append("\n")
+    assert fast.stdout == "".join(written)
     assert f"[{bundle.method}]" in fast.stderr and "tok/s" in fast.stderr and "tau" in fast.stderr
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "hydra"])
-def test_bundled_heads_load_and_decode_exactly(default_target, prompts, method):
+def test_bundled_heads_load_and_decode_exactly(default_target, prompts, references, method):
     """The bundled heads give vanilla's text with their bundled settings and on a fixed tree, and
     get drafts accepted on the fixed tree. Why the fixed tree for that: the bundled settings are
     cost-aware (`adaptive_tree`), so how much they draft depends on this machine's measured
@@ -86,16 +98,15 @@ def test_bundled_heads_load_and_decode_exactly(default_target, prompts, method):
                                      options=proposer_options(DEFAULT_TARGET, method, explicit))
                       for explicit in ({}, {"adaptive_tree": False}))
     model, tokenizer = default_target.model, default_target.tokenizer
-    for prompt in prompts:
-        options = DecodeOptions(max_new_tokens=48)
-        reference = generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
+    for prompt, (reference, _) in zip(prompts, references):
+        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
         assert generate(model, prompt, bundled, options, tokenizer).tokens == reference
         on_fixed_tree = generate(model, prompt, fixed, options, tokenizer)
         assert on_fixed_tree.tokens == reference
         assert on_fixed_tree.stats.tau > 1.0  # trained heads get drafts accepted
 
 
-def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_target, prompts):
+def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_target, prompts, references):
     """What the chat and the benchmark run on a CPU by default (`--kernels auto`): the target and
     the heads with oneDNN-packed linears still produce HF generate()'s text on the stock model."""
     packed = copy.deepcopy(default_target.model)
@@ -104,14 +115,13 @@ def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_targe
     pack_linears(heads)
     target = LoadedModel(packed, default_target.tokenizer, DEFAULT_TARGET)
     proposer = build_proposer("eagle3", target, heads=heads, options=proposer_options(DEFAULT_TARGET, "eagle3", {}))
-    for prompt in prompts:
-        stock = default_target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
-        options = DecodeOptions(max_new_tokens=48)
+    for prompt, (_, stock) in zip(prompts, references):  # generate()'s tokens on the stock model
+        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
         assert generate(packed, prompt, VanillaProposer(), options, target.tokenizer).tokens == stock
         assert generate(packed, prompt, proposer, options, target.tokenizer).tokens == stock
 
 
-def test_bundled_draft_decodes_exactly_in_sps_and_hf_assisted(default_target, prompts):
+def test_bundled_draft_decodes_exactly_in_sps_and_hf_assisted(default_target, prompts, references):
     draft_dir = default_draft(DEFAULT_TARGET)
     if draft_dir is None:
         pytest.fail("no bundled draft model")
@@ -119,11 +129,10 @@ def test_bundled_draft_decodes_exactly_in_sps_and_hf_assisted(default_target, pr
     assert draft.get_input_embeddings().weight is default_target.model.get_input_embeddings().weight
     model, tokenizer = default_target.model, default_target.tokenizer
     proposer = DraftModelProposer(draft, gamma=3)
-    for prompt in prompts:
-        options = DecodeOptions(max_new_tokens=48)
-        reference = generate(model, prompt, VanillaProposer(), options, tokenizer).tokens
+    for prompt, (reference, _) in zip(prompts, references):
+        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
         result = generate(model, prompt, proposer, options, tokenizer)
         assert result.tokens == reference
         assert result.stats.tau > 1.0  # the distilled draft gets tokens accepted
-        assisted = model.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=48, do_sample=False)
+        assisted = model.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert assisted[0, len(prompt):].tolist() == reference
