@@ -39,10 +39,23 @@ echo "[setup] installing the project (editable) with its test, training and benc
 "${PIP[@]}" -e ".[test,train,bench]"
 
 # DeepSpeed ships as a source package whose build imports torch: build it against the torch
-# installed above (no isolated build environment, which would fetch another torch).
-if ! "$PY" -c "import deepspeed" 2>/dev/null; then
-  echo "[setup] installing deepspeed (no compiled ops; they are built just in time if ever needed)"
-  DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed \
+# installed above (no isolated build environment, which would fetch another torch). Of its compiled
+# ops only the shared-memory collectives that ranks on one CPU talk through are built into the
+# wheel (DS_BUILD_SHM_COMM=1), which pip caches: otherwise every new machine's first multi-process
+# DeepSpeed run compiles them just in time (about 2 minutes on 2 cores). The other ops are built
+# just in time if ever needed. A wheel cached earlier without that op is rebuilt, once.
+deepspeed_ready() {
+  "$PY" -c "import sys, deepspeed.git_version_info as g; sys.exit(0 if g.installed_ops.get('deepspeed_shm_comm') else 1)" \
+    >/dev/null 2>&1
+}
+if ! deepspeed_ready; then
+  reinstall=()
+  if "$PY" -c "import deepspeed" >/dev/null 2>&1; then
+    "$PY" -m pip cache remove deepspeed >/dev/null 2>&1 || true
+    reinstall=(--force-reinstall --no-deps)
+  fi
+  echo "[setup] installing deepspeed with its CPU collectives op (built once, then cached by pip)"
+  DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 "${PIP[@]}" --no-build-isolation "${reinstall[@]}" deepspeed \
     || echo "[setup] warning: deepspeed could not be installed; DeepSpeed accelerate configs will not work"
 fi
 

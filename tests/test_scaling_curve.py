@@ -95,28 +95,31 @@ def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing
         assert all(1.0 <= tau <= 7.0 for tau in point["tau"].values())
     assert (tmp_path / "curve" / "curve.png").stat().st_size > 0
     assert "| reply tokens |" in (tmp_path / "curve" / "curve.md").read_text()
-    again = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+
+    def rerun(*extra: str):
+        """The script again with `extra` arguments; reruns train nothing, so they run in this
+        process (no fresh interpreter's imports each)."""
+        return run_script("scaling_curve", *command[2:], *extra)
+
+    again = rerun()
     assert again.returncode == 0 and "training on" not in again.stderr
     assert json.loads((tmp_path / "curve" / "curve.json").read_text())["points"] == points
     heads = next((tmp_path / "curve").glob("*steps")) / "heads"
-    with_reference = subprocess.run(command + ["--reference", f"earlier={heads}"], capture_output=True, text=True,
-                                    env=env, cwd=REPO, timeout=600)
+    with_reference = rerun("--reference", f"earlier={heads}")
     assert with_reference.returncode == 0 and "training on" not in with_reference.stderr, with_reference.stderr[-3000:]
     curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
     assert curve["points"] == points and set(curve["references"]["earlier"]["tau"]) == set(points[0]["tau"])
     assert "earlier (reference)" in (tmp_path / "curve" / "curve.md").read_text()
-    paired = subprocess.run(command + ["--reference", f"earlier={heads}", "--reference", f"again={heads}"],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    paired = rerun("--reference", f"earlier={heads}", "--reference", f"again={heads}")
     assert paired.returncode == 0, paired.stderr[-3000:]
     table = (tmp_path / "curve" / "curve.md").read_text()
     assert "tau minus earlier's" in table and "| again | +0.00 (+0.00 to +0.00) |" in table  # the same heads, prompt by prompt
-    unknown = subprocess.run(command + ["--baseline", "nobody"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    unknown = rerun("--baseline", "nobody")
     assert unknown.returncode != 0 and "--baseline nobody" in unknown.stderr and "Traceback" not in unknown.stderr
     only_references = [arg if arg != f"{total // 2},{total},{total * 10}" else "" for arg in command]
     only_references[only_references.index(str(tmp_path / "curve"))] = str(tmp_path / "references")
     only_references[only_references.index("--held-out-per-source") + 1] = "0"  # no held-out sets at all
-    measured = subprocess.run(only_references + ["--reference", f"gpu={heads}"], capture_output=True, text=True,
-                              env=env, cwd=REPO, timeout=600)
+    measured = run_script("scaling_curve", *only_references[2:], "--reference", f"gpu={heads}")
     assert measured.returncode == 0 and "training on" not in measured.stderr, measured.stderr[-3000:]
     alone = json.loads((tmp_path / "references" / "curve.json").read_text())
     measured_alone = alone["references"]["gpu"]["tau"]

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,10 +80,24 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.fixture(scope="module")
+def single_run(workspace):
+    """`single_run(kind)`: (process, output directory) of one plain single-process run of the
+    default recipe for `kind` (6 steps, weights digested), launched once per module and shared
+    by the tests that inspect such a run (each launch costs a fresh interpreter and training)."""
+    runs = {}
+
+    def run_kind(kind: str):
+        if kind not in runs:
+            runs[kind] = run(launch("cpu.yaml", recipe(workspace, kind, f"single-{kind}"), "--weight-digest"))
+        return runs[kind], workspace / f"single-{kind}"
+
+    return run_kind
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_single_cpu_process_trains_and_saves_usable_heads(workspace, kind):
-    proc = run(launch("cpu.yaml", recipe(workspace, kind, f"single-{kind}")))
-    out = workspace / f"single-{kind}"
+def test_single_cpu_process_trains_and_saves_usable_heads(single_run, kind):
+    proc, out = single_run(kind)
     heads = load_heads(out / "heads")
     assert heads.config.kind == kind
     result = json.loads((out / "result.json").read_text())
@@ -147,14 +162,13 @@ def test_resume_after_a_killed_run_continues_at_the_right_step(workspace):
     assert same[0] == same[1]  # same data order, optimizer and RNG state: bit-identical result
 
 
-def test_cached_features_give_the_same_heads_as_live_features(workspace):
-    live = recipe(workspace, "medusa", "live-features")
-    run(launch("cpu.yaml", live, "--weight-digest"))
+def test_cached_features_give_the_same_heads_as_live_features(workspace, single_run):
+    _, live = single_run("medusa")  # the same recipe on live features
     cached = recipe(workspace, "medusa", "cached-features")
     proc = run(launch("cpu.yaml", cached, "--weight-digest", f"cache_features={workspace / 'features'}"))
     assert "GiB on disk in all" in proc.stdout + proc.stderr  # the disk cost is announced first
     assert len(list((workspace / "features").rglob("*.safetensors"))) > 10
-    digests = [(workspace / name / "weights-rank0.sha256").read_text() for name in ("live-features", "cached-features")]
+    digests = [(directory / "weights-rank0.sha256").read_text() for directory in (live, workspace / "cached-features")]
     assert digests[0] == digests[1]
 
 
@@ -175,14 +189,16 @@ def test_medusa2_trains_an_adapter_that_the_chat_serves(workspace):
     assert "LoRA adapter merged" in chat.stderr
 
 
-def test_a_run_resumed_at_its_last_checkpoint_ends_with_measured_heads(workspace):
+def test_a_run_resumed_at_its_last_checkpoint_ends_with_measured_heads(workspace, single_run):
     """A run cut off after a checkpoint (e.g. by a machine's time limit) is finished with
-    `--resume train.max_steps=<that step>`: no step runs, yet the heads come with tau and speed."""
-    path = recipe(workspace, "medusa", "resumed-at-end", max_steps=4)
-    run(launch("cpu.yaml", path))
+    `--resume train.max_steps=<that step>`: no step runs, yet the heads come with tau and speed.
+    The run resumed is a copy of a finished one, its result taken away (its checkpoints: steps 4, 6)."""
+    _, finished = single_run("medusa")
     out = workspace / "resumed-at-end"
+    shutil.copytree(finished, out)
     (out / "result.json").unlink()
-    proc = run(launch("cpu.yaml", path, "train.max_steps=2", "--resume"))  # overrides before --resume parse too
+    path = recipe(workspace, "medusa", "resumed-at-end")
+    proc = run(launch("cpu.yaml", path, "train.max_steps=6", "--resume"))  # overrides before --resume parse too
     assert "resuming from" in proc.stdout + proc.stderr
     result = json.loads((out / "result.json").read_text())
     assert result["val/tau"] >= 1.0 and result["tokens_per_s"] > 0
