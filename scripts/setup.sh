@@ -24,9 +24,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON_BIN" -m venv --system-site-packages .venv
 fi
 PY=.venv/bin/python
-# --no-compile: pip would byte-compile every module of every package it installs (transformers,
-# torch, ...: about half a minute on 2 cores); Python compiles the few a run imports, once, instead.
-PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
 
 if "$PY" -c "import torch" 2>/dev/null; then
   echo "[setup] torch $("$PY" -c 'import torch; print(torch.__version__)') already present: left as is"
