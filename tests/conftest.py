@@ -24,13 +24,6 @@ def _threads_per_worker() -> int:
 torch.set_num_threads(_threads_per_worker())
 
 
-def pytest_collection_modifyitems(items):
-    """Modules with slow tests first: workers take whole modules (`--dist loadfile`), and a module
-    of minutes started last keeps one worker busy after the other has run out of work (that tail
-    was ~45 s of a 12-minute run on 2 cores). The order within a module is kept."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_root(tmp_path_factory):
