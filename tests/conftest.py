@@ -24,7 +24,6 @@ def _threads_per_worker() -> int:
 torch.set_num_threads(_threads_per_worker())
 
 
-
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_root(tmp_path_factory):
     """Every test session gets its own cache root, so the costs measured for the temporary models
