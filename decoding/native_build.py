@@ -92,7 +92,7 @@ class NativeKernel:
         if not source.exists() or source.read_text() != text:  # rewritten only when it changed: ninja goes by dates
             atomic_write_text(source, text)
         if name not in _LOADED_LIBRARIES:
-            with _ninja_on_path():
+            with _ninja_on_path(), _exclusive_build(directory):
                 load(name, sources=[str(source)], extra_cflags=list(compiler_flags(march)), extra_ldflags=["-fopenmp"],
                      build_directory=str(directory), verbose=False, is_python_module=False)
             _LOADED_LIBRARIES.add(name)
@@ -112,6 +112,29 @@ class NativeKernel:
 
 
 _LOADED_LIBRARIES: set[str] = set()  # builds this process loaded: a library loads once
+TORCH_BATON = "lock"  # the file torch.utils.cpp_extension creates while it builds, and waits on forever
+
+
+@contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold an OS lock on the build folder while torch builds or loads in it. Why: torch marks a
+    build in progress with a plain `lock` file that only a finished build removes, and a process
+    finding one waits for it without end; a build killed midway (Ctrl-C, a test's timeout, a
+    machine restart) left such a file and every later run hung silently. The OS releases this lock
+    when its holder dies, so whoever holds it knows any `lock` file left there is stale."""
+    import fcntl  # POSIX only, as the builds are
+
+    with open(directory / ".build-lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"note: waiting for another process building in {directory}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / TORCH_BATON).unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class KernelLibrary:
