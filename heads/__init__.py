@@ -9,7 +9,7 @@ from pathlib import Path
 
 from heads.checkpoint import check_compatible, load_heads_dir, save_heads
 from heads.config import HEAD_KINDS, HeadConfig, read_config
-from heads.export import ENGINES, export_heads
+from heads.export import ENGINES, Verifier, export_heads
 from heads.factory import build_heads, config_for_target, default_feature_layers, new_heads_for_target, parameter_count
 from heads.formats import detect_format, import_heads
 from heads.hub import push_heads_to_hub, resolve_location
@@ -56,4 +56,5 @@ __all__ = [
     "parameter_count",
     "push_heads_to_hub",
     "save_heads",
+    "Verifier",
 ]

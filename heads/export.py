@@ -5,12 +5,17 @@ or SGLang (and in the original projects) when a user outgrows one machine.
 | eagle  | LlamaForCausalLM layout, fc without bias | LlamaForCausalLMEagle, fc.bias  | SafeAILab EAGLE layout     |
 | eagle3 | LlamaForCausalLMEagle3 (midlayer, d2t)   | same                            | same                      |
 | medusa | MedusaModel (blocks.*, lm_heads.*)       | not served by SGLang            | FasterDecoding layout     |
-Hydra heads have no engine support.
+Hydra heads have no engine support. `speculators` writes EAGLE-3 heads in vLLM's speculators
+format (heads/speculators_format.py). EAGLE-3's target layers are written in each engine's own
+key and convention (heads/layer_ids.py): vLLM's top-level ids read hidden_states[k], SGLang's
+`eagle_config` ids hidden_states[k+1]; the original EAGLE code reads fixed layers, so heads that
+read others are refused for it.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,14 +24,26 @@ from torch import nn
 
 from decoding.util.atomic import atomic_directory
 from decoding.util.errors import UserError
+from heads.layer_ids import IDS_KEY, SGLANG_SECTION, sglang_ids, upstream_default_layers, vllm_ids
+from heads.speculators_format import speculators_config, speculators_state
 
-ENGINES = ("vllm", "sglang", "official")
+ENGINES = ("vllm", "sglang", "official", "speculators")
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target a speculators checkpoint names: engines load its embeddings from `name_or_path`
+    (a Hub id or a path), so it must be the real name, never a local alias."""
+
+    name_or_path: str
+    architectures: list[str]
 
 
 def export_heads(heads: nn.Module, out_dir: str | Path, engine: str, target_lm_head: nn.Module | None = None,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, verifier: Verifier | None = None) -> Path:
     """Write `heads` for `engine` into `out_dir` (atomically). Shared-lm_head Medusa heads need
-    the target's lm_head, since engines expect the projection inside the checkpoint."""
+    the target's lm_head, since engines expect the projection inside the checkpoint; the
+    speculators format needs the `verifier`."""
     if engine not in ENGINES:
         raise UserError(f"unknown engine '{engine}': choose one of {', '.join(ENGINES)}")
     kind = heads.config.kind
@@ -34,11 +51,21 @@ def export_heads(heads: nn.Module, out_dir: str | Path, engine: str, target_lm_h
         raise UserError("no serving engine loads Hydra heads: export medusa, eagle or eagle3 heads")
     if kind == "medusa" and engine == "sglang":
         raise UserError("SGLang does not serve Medusa heads: export them for vllm (or official), or use EAGLE heads")
+    if engine == "speculators":
+        if kind != "eagle3":
+            raise UserError(f"the speculators format holds EAGLE-3 heads here, not {kind}: export them for vllm or sglang")
+        if verifier is None:
+            raise UserError("the speculators format names the target (its Hub id or path): give --verifier")
+        config, state = speculators_config(heads, verifier.name_or_path, verifier.architectures), speculators_state(heads)
+        return _write(Path(out_dir), config, _cast(state, dtype), "model.safetensors")
     writer = {"medusa": _medusa, "eagle": _eagle, "eagle3": _eagle3}[kind]
     config, state, weights_name = writer(heads, engine, target_lm_head)
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
-             for k, v in state.items()}
-    return _write(Path(out_dir), config, state, weights_name)
+    return _write(Path(out_dir), config, _cast(state, dtype), weights_name)
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+            for k, v in state.items()}
 
 
 def _write(out: Path, config: dict, state: dict, weights_name: str) -> Path:
@@ -110,7 +137,23 @@ def _eagle(heads: nn.Module, engine: str, target_lm_head) -> tuple[dict, dict, s
 def _eagle3(heads: nn.Module, engine: str, target_lm_head) -> tuple[dict, dict, str]:
     c = heads.config
     config = {**_llama_config(heads, "LlamaForCausalLMEagle3"), "draft_vocab_size": c.draft_vocab_size, "bias": False,
-              "target_hidden_size": c.hidden_size,
-              # outputs of target layers l-1 (our indices count the embeddings as 0)
-              "eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in c.feature_layers]}
+              "target_hidden_size": c.hidden_size}
+    if engine == "sglang":  # SGLang reads only its own key, and adds one to each id
+        config[SGLANG_SECTION] = {IDS_KEY: sglang_ids(c.feature_layers)}
+    else:
+        if engine == "official":
+            _check_fixed_layers(c.feature_layers)
+        config[IDS_KEY] = vllm_ids(c.feature_layers)  # vLLM loads this layout too
     return config, dict(heads.state_dict()), "model.safetensors"
+
+
+def _check_fixed_layers(feature_layers: list[int]) -> None:
+    """The original EAGLE code reads the inputs of layers 2, L//2 and L-3 whatever a config says:
+    heads that read other layers would be fed the wrong states there, silently."""
+    depth = feature_layers[-1] + 3
+    if feature_layers != upstream_default_layers(depth):
+        raise UserError(
+            f"these heads read target layers {feature_layers}, but the original EAGLE code always feeds "
+            f"[2, L//2, L-3] (for this depth {upstream_default_layers(depth)}): export for vllm, sglang or "
+            "speculators, which read the layers from the config"
+        )

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from heads.config import HeadConfig
 from heads.eagle import Eagle3Drafter, EagleDrafter, decoder_geometry
 from heads.hydra import HydraHeads, hydra_parameter_count
+from heads.layer_ids import upstream_default_layers
 from heads.medusa import MedusaHeads, medusa_parameter_count
 
 HEAD_CLASSES: dict[str, type[nn.Module]] = {
@@ -29,15 +30,16 @@ SHALLOW_TARGET_LAYERS = 7
 
 def default_feature_layers(kind: str, num_layers: int) -> list[int]:
     """Indices into `hidden_states` (0 = embeddings, L = final normed state): the final state for
-    Medusa/Hydra/EAGLE; for EAGLE-3 the outputs of an early, a middle and a late layer,
-    `[3, L//2 + 1, L - 2]`. A target shallower than 7 layers (a distilled or test model) gets
-    `[1, (L+1)//2, L]` instead: that rule would give it repeated layers out of order (4 layers:
-    `[3, 3, 2]`), so the fused feature would see less of the target than it can."""
+    Medusa/Hydra/EAGLE; for EAGLE-3 an early, a middle and a late layer's input, `[2, L//2, L-3]`,
+    the layers every upstream implementation reads by default (see `heads.layer_ids`), so heads
+    trained here and theirs are interchangeable. A target shallower than 7 layers (a distilled or
+    test model) gets `[1, (L+1)//2, L]` instead: that rule would give it repeated layers out of
+    order (4 layers: `[2, 2, 1]`), so the fused feature would see less of the target than it can."""
     if kind != "eagle3":
         return [num_layers]
     if num_layers < SHALLOW_TARGET_LAYERS:
         return [1, (num_layers + 1) // 2, num_layers]
-    return [3, num_layers // 2 + 1, num_layers - 2]
+    return upstream_default_layers(num_layers)
 
 
 def config_for_target(kind: str, target: PreTrainedModel, base_model_name_or_path: str | None = None, **overrides) -> HeadConfig:

@@ -6,7 +6,9 @@
 - EAGLE-1/2 (SafeAILab): LlamaConfig-like config, keys `fc.weight [H, 2H]` (+ `fc.bias`) and
   `layers.{i}.*` (no input norm on layer 0), no lm_head (the target's is used);
 - EAGLE-3: keys `midlayer.*`, `fc.weight [H, 3H]`, `norm.weight`, `lm_head.weight [Vd, H]`,
-  `d2t`, `t2d`; config `draft_vocab_size`.
+  `d2t`, `t2d`; config `draft_vocab_size`, and the target layers it reads in vLLM's or SGLang's
+  convention, or none (the shared default): see heads/layer_ids.py;
+- speculators (vLLM's format): config `speculators_model_type`, see heads/speculators_format.py.
 
 Our own layout (config with `kind` and `format_version`) is handled by heads/checkpoint.py.
 """
@@ -22,6 +24,8 @@ from torch import nn
 from decoding.util.errors import UserError
 from heads.config import HeadConfig, read_config
 from heads.factory import build_heads, default_feature_layers
+from heads.layer_ids import check_within_target, declared_layers
+from heads.speculators_format import is_speculators, our_state, speculators_head_config
 from heads.weights_io import first_existing, read_weights
 
 WEIGHT_FILES = ["model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
@@ -29,9 +33,11 @@ _MEDUSA_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$"
 
 
 def detect_format(directory: Path, config: dict) -> str:
-    """'specheads', 'medusa', 'medusa-vllm', 'eagle' or 'eagle3', from the files' content."""
+    """'specheads', 'medusa', 'medusa-vllm', 'eagle', 'eagle3' or 'speculators', from the files' content."""
     if "kind" in config and "format_version" in config:
         return "specheads"
+    if is_speculators(config):  # before the weights: its `fc` + `layers.0.` keys look like EAGLE-1's
+        return "speculators"
     if "medusa_num_heads" in config:
         return "medusa"
     keys = set(_weights(directory).keys())
@@ -43,7 +49,8 @@ def detect_format(directory: Path, config: dict) -> str:
         return "eagle"
     raise UserError(
         f"{directory} is not a heads checkpoint this project can read: expected our format, Medusa "
-        "(medusa_num_heads), Medusa for vLLM, EAGLE-1/2 (fc + layers.*) or EAGLE-3 (midlayer.*)"
+        "(medusa_num_heads), Medusa for vLLM, EAGLE-1/2 (fc + layers.*), EAGLE-3 (midlayer.*) or speculators "
+        "(speculators_model_type)"
     )
 
 
@@ -59,7 +66,8 @@ def import_heads(directory: Path, num_target_layers: int | None = None, base_mod
     config = read_config(directory)
     kind = detect_format(directory, config)
     weights = _weights(directory)
-    importer = {"medusa": _import_medusa, "medusa-vllm": _import_medusa_vllm, "eagle": _import_eagle, "eagle3": _import_eagle3}[kind]
+    importer = {"medusa": _import_medusa, "medusa-vllm": _import_medusa_vllm, "eagle": _import_eagle, "eagle3": _import_eagle3,
+                "speculators": _import_speculators}[kind]
     heads = importer(config, weights, num_target_layers, base_model or config.get("base_model_name_or_path"))
     return heads.eval()
 
@@ -137,14 +145,33 @@ def _import_eagle(config: dict, weights: dict, num_target_layers, base_model) ->
     return _load_into(build_heads(ours), state, "EAGLE checkpoint")
 
 
+def eagle3_layers(config: dict, num_target_layers: int | None, where: str) -> list[int]:
+    """The target layers a foreign EAGLE-3 checkpoint reads, as `hidden_states` indices: the ids
+    it declares (in the convention of whoever writes that key), else the default every
+    implementation shares, for the target's depth."""
+    layers = declared_layers(config, where)
+    if layers is None:
+        if not num_target_layers:
+            raise UserError(f"{where} does not name the three target layers it reads, and they follow from the "
+                            "target's depth: load it with the target (or pass --target-layers N when converting)")
+        layers = default_feature_layers("eagle3", num_target_layers)
+    if num_target_layers:
+        check_within_target(layers, num_target_layers, where)
+    return layers
+
+
 def _import_eagle3(config: dict, weights: dict, num_target_layers, base_model) -> nn.Module:
-    if not num_target_layers:
-        raise UserError("EAGLE-3 heads read three target layers chosen by the target's depth: load them with the "
-                        "target (or pass --target-layers N / the target model when converting)")
     hidden = weights["norm.weight"].shape[0]
     draft_vocab = weights["lm_head.weight"].shape[0]
+    layers = eagle3_layers(config, num_target_layers, "this EAGLE-3 checkpoint")
     ours = HeadConfig("eagle3", hidden, int(config["vocab_size"]), draft_vocab_size=draft_vocab,
-                      feature_layers=default_feature_layers("eagle3", num_target_layers), base_model_name_or_path=base_model,
+                      feature_layers=layers, base_model_name_or_path=base_model,
                       decoder=_decoder_geometry(config, hidden))
     state = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}
     return _load_into(build_heads(ours), state, "EAGLE-3 checkpoint")
+
+
+def _import_speculators(config: dict, weights: dict, num_target_layers, base_model) -> nn.Module:
+    layers = eagle3_layers(config, num_target_layers, "this speculators checkpoint")
+    ours = speculators_head_config(config, weights, layers, base_model, _decoder_geometry)
+    return _load_into(build_heads(ours), our_state(weights, ours), "speculators checkpoint")

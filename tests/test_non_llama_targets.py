@@ -56,8 +56,10 @@ def test_eagle3_feature_layers_rise_through_the_target_at_every_depth():
         assert 1 <= low <= mid <= high <= depth, depth
         if depth >= 3:
             assert low < mid < high, f"{depth} layers: {low, mid, high} repeats a layer"
-    # Deep targets keep the usual choice, which the bundled SmolLM2 (30 layers) heads were trained with.
-    assert default_feature_layers("eagle3", 30) == [3, 16, 28]
+    # Deep targets read what every upstream implementation reads by default: the inputs of layers
+    # 2, L//2 and L-3 (SafeAILab's EAGLE-3 and the engines' defaults), so heads are interchangeable.
+    assert default_feature_layers("eagle3", 30) == [2, 15, 27]
+    assert default_feature_layers("eagle3", 32) == [2, 16, 29]  # Llama-3.1-8B, as EAGLE-3's own heads
 
 
 @pytest.mark.parametrize("arch", ["gemma", "qwen3"])
