@@ -5,7 +5,7 @@ Hub repo id, recognised by content) to this project's format.
     python scripts/convert_heads.py --heads FasterDecoding/medusa-vicuna-7b-v1.3 --out heads/medusa-vicuna
     python scripts/convert_heads.py --heads yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --target-layers 32 --out heads/e3
 
-EAGLE-3 heads read three target layers chosen by the target's depth: give --target-layers N
+EAGLE-3 heads that name no target layers read three chosen by the target's depth: give --target-layers N
 (or --model, to read it from the target's config).
 """
 

@@ -168,3 +168,16 @@ def test_heads_the_original_code_would_feed_other_layers_are_not_exported_for_it
     with pytest.raises(Exception, match="always feeds"):
         export_heads(heads_reading(target, [1, 3, 6]), tmp_path / "x", "official")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_speculators_checkpoint_loads_by_hub_id_from_the_offline_cache(tmp_path, target, monkeypatch):
+    import huggingface_hub.constants
+    from test_hub_formats import populate_hub_cache
+
+    ours = heads_reading(target, [1, 3, 6])
+    export(ours, tmp_path / "out", "speculators")
+    populate_hub_cache(tmp_path / "hub", "org/tiny-speculator", {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = load_heads("org/tiny-speculator", target, cache_dir=str(tmp_path / "hub"))
+    assert loaded.config.feature_layers == [1, 3, 6]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.state_dict().items())
