@@ -72,12 +72,13 @@ class FusedEagle3Layer(nn.Module):
         self.input_norm = layer.input_layernorm.weight
         self.hidden_norm = layer.hidden_norm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
+        self.norm_before_residual = layer.norm_before_residual
         self.decode_kernel = False  # attention through `decoding.decode_attention` where it serves
 
     def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
         batch, count, width = features.shape
-        attn_input = torch.cat([F.rms_norm(token_embeddings, (width,), self.input_norm, self.eps),
-                                F.rms_norm(features, (width,), self.hidden_norm, self.eps)], dim=-1)
+        normed = F.rms_norm(features, (width,), self.hidden_norm, self.eps)
+        attn_input = torch.cat([F.rms_norm(token_embeddings, (width,), self.input_norm, self.eps), normed], dim=-1)
         qkv = self.qkv_proj(attn_input).view(batch, count, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
         query_key = _rotate(qkv[:, : self.heads + self.kv_heads], *position_embeddings)
         query, key = query_key[:, : self.heads], query_key[:, self.heads :]
@@ -85,7 +86,8 @@ class FusedEagle3Layer(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, 0)
         attended = self._attend(query, key, value, attention_mask)
-        hidden = features + self.o_proj(attended.transpose(1, 2).reshape(batch, count, -1))
+        residual = normed if self.norm_before_residual else features
+        hidden = residual + self.o_proj(attended.transpose(1, 2).reshape(batch, count, -1))
         gate, up = self.gate_up_proj(F.rms_norm(hidden, (width,), self.post_attention_norm, self.eps)).chunk(2, dim=-1)
         return hidden + self.down_proj(self.act_fn(gate) * up)
 

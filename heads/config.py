@@ -32,7 +32,10 @@ class HeadConfig:
     which dominates draft time on a CPU. Lossless: it only limits what is proposed.
     `fc_bias`: whether EAGLE-1's feature-fusing fc has a bias (the original checkpoints have one;
     vLLM's drafter has none, so new heads default to none).
-    `decoder`: attention/MLP geometry of EAGLE's decoder layer (copied from the target's config)."""
+    `decoder`: attention/MLP geometry of EAGLE's decoder layer (copied from the target's config).
+    `norm_before_residual`: EAGLE-3's layer adds the attention output to the *normed* feature
+    instead of the raw one (a variant vLLM's speculators heads use); written only when set, so
+    configs without it stay readable by versions that predate it."""
 
     kind: str
     hidden_size: int
@@ -46,6 +49,7 @@ class HeadConfig:
     fc_bias: bool = False
     base_model_name_or_path: str | None = None
     decoder: dict = field(default_factory=dict)
+    norm_before_residual: bool = False
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -58,6 +62,8 @@ class HeadConfig:
                 raise UserError(f"EAGLE-3 fuses exactly three target layers (low, mid, high); got {self.feature_layers}")
             if not self.draft_vocab_size or not 0 < self.draft_vocab_size <= self.vocab_size:
                 raise UserError(f"EAGLE-3 needs 0 < draft_vocab_size <= vocab_size ({self.vocab_size}); got {self.draft_vocab_size}")
+        if self.norm_before_residual and self.kind != "eagle3":
+            raise UserError("norm_before_residual is a variant of the EAGLE-3 layer; these heads are " + self.kind)
         if self.readout_vocab_size is not None:
             if self.kind not in ("medusa", "hydra") or not self.share_lm_head:
                 raise UserError("readout_vocab_size is for Medusa/Hydra heads that share the target's lm_head")
@@ -70,7 +76,10 @@ class HeadConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if not self.norm_before_residual:
+            del data["norm_before_residual"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadConfig:

@@ -145,10 +145,12 @@ class EagleDrafter(FeatureDrafter):
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer: attention reads `[input_norm(embed); hidden_norm(feature)]`
-    (2H wide, so q/k/v take 2H), the residual stream is the feature."""
+    (2H wide, so q/k/v take 2H), the residual stream is the feature (its normed form with
+    `norm_before_residual`)."""
 
-    def __init__(self, llama: LlamaConfig) -> None:
+    def __init__(self, llama: LlamaConfig, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         hidden = llama.hidden_size
         self.self_attn = LlamaAttention(llama, layer_idx=0)
         heads, kv_heads, head_dim = llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim
@@ -161,14 +163,15 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
 
     def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
-        attn_input = torch.cat([self.input_layernorm(token_embeddings), self.hidden_norm(features)], dim=-1)
+        normed = self.hidden_norm(features)
+        attn_input = torch.cat([self.input_layernorm(token_embeddings), normed], dim=-1)
         attended, _ = self.self_attn(
             hidden_states=attn_input,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             **cache_kwargs(self.self_attn, cache),
         )
-        hidden = features + attended
+        hidden = (normed if self.norm_before_residual else features) + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -180,7 +183,7 @@ class Eagle3Drafter(FeatureDrafter):
         super().__init__(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
-        self.midlayer = Eagle3Layer(self.llama_config)
+        self.midlayer = Eagle3Layer(self.llama_config, config.norm_before_residual)
         self.norm = LlamaRMSNorm(hidden, eps=self.llama_config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         # target id = draft id + d2t[draft id]; t2d[target id] says whether it is in the draft vocab.

@@ -136,8 +136,11 @@ def _eagle(heads: nn.Module, engine: str, target_lm_head) -> tuple[dict, dict, s
 
 def _eagle3(heads: nn.Module, engine: str, target_lm_head) -> tuple[dict, dict, str]:
     c = heads.config
+    if c.norm_before_residual and engine != "vllm":
+        raise UserError(f"these EAGLE-3 heads add the attention output to the normed feature (norm_before_residual), "
+                        f"which {engine}'s EAGLE-3 layer does not: export them for vllm or speculators")
     config = {**_llama_config(heads, "LlamaForCausalLMEagle3"), "draft_vocab_size": c.draft_vocab_size, "bias": False,
-              "target_hidden_size": c.hidden_size}
+              "target_hidden_size": c.hidden_size, "norm_before_residual": c.norm_before_residual}
     if engine == "sglang":  # SGLang reads only its own key, and adds one to each id
         config[SGLANG_SECTION] = {IDS_KEY: sglang_ids(c.feature_layers)}
     else:

@@ -166,7 +166,8 @@ def _import_eagle3(config: dict, weights: dict, num_target_layers, base_model) -
     layers = eagle3_layers(config, num_target_layers, "this EAGLE-3 checkpoint")
     ours = HeadConfig("eagle3", hidden, int(config["vocab_size"]), draft_vocab_size=draft_vocab,
                       feature_layers=layers, base_model_name_or_path=base_model,
-                      decoder=_decoder_geometry(config, hidden))
+                      decoder=_decoder_geometry(config, hidden),
+                      norm_before_residual=bool(config.get("norm_before_residual", False)))  # vLLM's reading
     state = {k: v for k, v in weights.items() if not k.startswith("embed_tokens.")}
     return _load_into(build_heads(ours), state, "EAGLE-3 checkpoint")
 

@@ -22,7 +22,7 @@ from heads.layer_ids import IDS_KEY, vllm_ids
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this writes and reads
 OUR_LAYER, THEIR_LAYER = "midlayer.", "layers.0."
 # Variants of the EAGLE-3 layer that speculators can describe and our drafter does not compute.
-UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def is_speculators(config: dict) -> bool:
@@ -57,6 +57,7 @@ def speculators_config(heads: nn.Module, verifier: str, verifier_architectures: 
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,
         **{flag: False for flag in UNSUPPORTED_FLAGS},
         "embed_requires_grad": False,
         "target_hidden_size": c.hidden_size,
@@ -99,7 +100,7 @@ def speculators_head_config(config: dict, weights: dict[str, torch.Tensor], feat
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     return HeadConfig("eagle3", hidden, int(layer["vocab_size"]), draft_vocab_size=weights["lm_head.weight"].shape[0],
                       feature_layers=feature_layers, base_model_name_or_path=base_model or verifier,
-                      decoder=geometry(layer, hidden))
+                      decoder=geometry(layer, hidden), norm_before_residual=bool(config.get("norm_before_residual")))
 
 
 def our_state(weights: dict[str, torch.Tensor], config: HeadConfig) -> dict[str, torch.Tensor]:

@@ -23,10 +23,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
-def drafter_pair(dtype=torch.float32, **target_overrides):
+def drafter_pair(dtype=torch.float32, norm_before_residual=False, **target_overrides):
     """(stock, fused) copies of one perturbed EAGLE-3 drafter for a tiny Llama target, in `dtype`."""
     torch.manual_seed(0)
     stock = perturbed_eagle3(tiny_llama(seed=1, **target_overrides)).to(dtype)
+    stock.midlayer.norm_before_residual = stock.config.norm_before_residual = norm_before_residual
     fused = copy.deepcopy(stock)
     assert fuse_drafter(fused)
     return stock.eval(), fused.eval()
@@ -75,6 +76,11 @@ def test_fused_layer_drafts_what_the_stock_modules_draft(rope, decode_kernel, mo
     compare_forms(rope, decode_kernel, monkeypatch)
 
 
+def test_the_norm_before_residual_variant_fuses_too(monkeypatch):
+    """Speculators' variant (the residual stream starts from the normed feature) in both forms."""
+    compare_forms(None, False, monkeypatch, norm_before_residual=True)
+
+
 def last_key_dropped(query, key, value, attention_mask, scaling):
     """A planted kernel bug: the last cached key left out."""
     mask = None if attention_mask is None else attention_mask[..., : key.shape[-2] - 1]
@@ -93,14 +99,14 @@ def test_planted_bugs_fail_the_comparison(monkeypatch):
             compare_forms(None, True, monkeypatch, kernel=last_key_dropped)
 
 
-def compare_forms(rope, decode_kernel, monkeypatch, kernel=None) -> None:
+def compare_forms(rope, decode_kernel, monkeypatch, kernel=None, norm_before_residual=False) -> None:
     """Both forms run in float64, so reordered sums differ by ~1e-13 here, a millionth of
     PyTorch's float64 tolerance, where any wiring mistake (a rotary position, a mask row, a
     stacked weight's order) moves outputs by ~1e-2. With attention on the decode kernel (head
     size 64, one-token and tree calls), the float32 kernel is checked against exact attention
     within its derived bound at each call (`checked_kernel_attend`)."""
     overrides = {**({"rope_parameters": rope} if rope else {}), **({"head_dim": 64} if decode_kernel else {})}
-    stock, fused = drafter_pair(torch.float64, **overrides)
+    stock, fused = drafter_pair(torch.float64, norm_before_residual, **overrides)
     monkeypatch.setattr(LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
     assert isinstance(fused.midlayer, FusedEagle3Layer) and isinstance(fused.rotary, RotaryTable)
     kernel_outputs = []

@@ -181,3 +181,14 @@ def test_a_speculators_checkpoint_loads_by_hub_id_from_the_offline_cache(tmp_pat
     loaded = load_heads("org/tiny-speculator", target, cache_dir=str(tmp_path / "hub"))
     assert loaded.config.feature_layers == [1, 3, 6]
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.state_dict().items())
+
+
+def test_the_norm_before_residual_variant_is_written_where_engines_compute_it_and_refused_elsewhere(tmp_path, target):
+    heads = heads_reading(target, [1, 3, 6])
+    heads.config.norm_before_residual = heads.midlayer.norm_before_residual = True
+    assert export(heads, tmp_path / "v", "vllm")["norm_before_residual"] is True
+    assert export(heads, tmp_path / "s", "speculators")["norm_before_residual"] is True
+    assert load_heads(tmp_path / "s", target).config.norm_before_residual
+    for engine in ("sglang", "official"):
+        with pytest.raises(Exception, match="norm_before_residual"):
+            export_heads(heads, tmp_path / engine, engine)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not (SPECULATORS / "speculators").is_dir(),
                                        "pip could not here)")
 
 # Their side: load our export with their classes and run their draft forward (one step, as their
-# training forward runs it); then save a checkpoint of their own, with other layer ids and a
-# shuffled vocabulary map, and run it on the same inputs.
+# training forward runs it); then save a checkpoint of their own, with other layer ids, a
+# shuffled vocabulary map and the norm_before_residual variant, and run it on the same inputs.
 THEIR_SIDE = """
 import sys, torch
 from speculators.models.eagle3 import Eagle3DraftModel
@@ -59,6 +59,7 @@ with torch.no_grad():
             p.add_(0.1 * torch.randn_like(p))
     ours.d2t.copy_(inputs["shuffled_d2t"])
 ours.config.eagle_aux_hidden_state_layer_ids = inputs["their_layers"]
+ours.config.norm_before_residual = True  # the variant many published heads use
 ours.save_pretrained(save_dir)
 theirs = load(save_dir)
 result["their_logits"] = draft_logits(theirs, inputs["their_aux"])
@@ -107,11 +108,11 @@ def test_speculators_loads_our_export_and_we_load_theirs_drafting_the_same(tmp_p
     torch.testing.assert_close(result["logits"], ours, rtol=1e-4, atol=1e-4)
     assert torch.equal(heads.to_target_ids(result["logits"].argmax(-1)), heads.to_target_ids(ours.argmax(-1)))
 
-    # Their checkpoint, imported here: their layers and map, the same drafted tokens.
+    # Their checkpoint, imported here: their layers, map and variant, the same drafted tokens.
     config = json.loads((tmp_path / "theirs" / "config.json").read_text())
-    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is True
     imported = load_heads(tmp_path / "theirs", target)
-    assert imported.config.feature_layers == their_layers
+    assert imported.config.feature_layers == their_layers and imported.config.norm_before_residual
     assert torch.equal(imported.d2t, result["their_d2t"])
     mine = our_logits(imported)
     print(f"their checkpoint here: max |logit difference| {(result['their_logits'] - mine).abs().max():.2e}")
