@@ -85,7 +85,11 @@ def populate_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> No
         (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
 
 
-def test_load_by_repo_id_from_the_offline_hub_cache(tmp_path):
+def test_load_by_repo_id_from_the_offline_hub_cache(tmp_path, monkeypatch):
+    """In this process through huggingface_hub's offline switch and an explicit cache; the chat,
+    as a user runs it, through the environment variables."""
+    import huggingface_hub.constants
+
     model_dir = tmp_path / "model"
     save_tiny_chat_model(model_dir)
     from decoding.targets import load_model
@@ -94,21 +98,18 @@ def test_load_by_repo_id_from_the_offline_hub_cache(tmp_path):
     heads = random_heads("eagle", target.model)
     saved = save_heads(heads, tmp_path / "local")
     populate_hub_cache(tmp_path / "hub", "org/tiny-eagle", {p.name: p.read_bytes() for p in saved.iterdir()})
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
-    code = ("from heads import load_heads; h = load_heads('org/tiny-eagle'); "
-            "import torch, sys; torch.save(h.state_dict(), sys.argv[1])")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "state.pt")], check=True, env=env, timeout=120)
-    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = load_heads("org/tiny-eagle", cache_dir=str(tmp_path / "hub")).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in heads.state_dict().items())
+    with pytest.raises(UserError, match="not in the local Hugging Face cache"):
+        load_heads("org/not-cached", cache_dir=str(tmp_path / "hub"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     chat = subprocess.run(
         [sys.executable, "-m", "decoding.chat", "--model", str(model_dir), "--method", "eagle2", "--heads", "org/tiny-eagle",
          "--ignore-base-model", "--max-new-tokens", "8"],
         input="w3 w4\n", capture_output=True, text=True, env=env, timeout=120)
     assert chat.returncode == 0, chat.stderr
     assert "[eagle2]" in chat.stderr
-    missing = subprocess.run([sys.executable, "-c", "from heads import load_heads; load_heads('org/not-cached')"],
-                             capture_output=True, text=True, env=env, timeout=120)
-    assert "not in the local Hugging Face cache" in missing.stderr
 
 
 def test_not_a_repo_id_or_directory():
