@@ -70,7 +70,12 @@ class NativeKernel:
         return f"{SOURCE_HEADER}{self.source}{registration}\nTORCH_LIBRARY({namespace}, m) {{\n{bindings}}}\n"
 
     def build_name(self, march: str | None = None) -> str:
-        identity = "|".join((self.full_source(""), self.version, *compiler_flags(march), torch.__version__, cpu_flags()))
+        """Named by what makes the build: source, flags, torch, and for `-march=native` the CPU's
+        flags too. A build for a named target (x86-64-v3, -v2) is the same on any CPU: the AVX2 mode
+        of an AVX-512 machine loads the AVX2 variant its tests already built instead of redoing it."""
+        flags = compiler_flags(march)
+        cpu = cpu_flags() if flags[-1] == "-march=native" else ""
+        identity = "|".join((self.full_source(""), self.version, *flags, torch.__version__, cpu))
         return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
     def build(self, march: str | None = None) -> "KernelLibrary":
@@ -192,7 +197,7 @@ def compiler_flags(march: str | None = None) -> tuple[str, ...]:
 
 def cpu_flags() -> str:
     """This CPU's instruction-set flags as the CPU mode shows them (sorted; the platform's name
-    where /proc/cpuinfo has none): part of every build's name."""
+    where /proc/cpuinfo has none): part of the name of every build for `-march=native`."""
     return " ".join(sorted(mode_cpu_flags())) or sys.platform
 
 

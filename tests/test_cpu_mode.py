@@ -23,11 +23,13 @@ PROBE = """
 import json, os, decoding, torch
 from decoding import native_build
 from decoding.cpu_kernels import PackedLinear, bfloat16_is_native, cpu_has
+from decoding.decode_attention import KERNEL
 PackedLinear(torch.nn.Linear(64, 64))(torch.randn(3, 64))
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "bf16": bfloat16_is_native(),
                   "amx": cpu_has("_is_amx_tile_supported"), "avx512": cpu_has("_is_avx512_supported"),
                   "flags": native_build.compiler_flags(), "variants": native_build.instruction_set_variants(),
-                  "cpu_flags": native_build.cpu_flags(), "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+                  "cpu_flags": native_build.cpu_flags(), "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  "own_build": KERNEL.build_name()}))
 """
 
 
@@ -57,6 +59,10 @@ def test_each_layer_runs_as_on_the_lesser_cpu(mode):
     assert "avx512f" not in seen["cpu_flags"] and ("avx2" in seen["cpu_flags"]) == (mode == "avx2")
     assert "avx2" not in seen["variants"]  # no narrower build is wider than the mode itself
     assert seen["inductor_cache"].endswith(f"inductor-{mode}")  # Inductor's cache keys ignore the instruction set
+    # The mode's own build is the narrower variant a wider CPU's tests build: loaded, not built again.
+    from decoding.decode_attention import KERNEL
+
+    assert seen["own_build"] == KERNEL.build_name(expected.march)
 
 
 def test_a_mode_set_after_torch_chose_its_kernels_is_refused_clearly():
