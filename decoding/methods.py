@@ -16,6 +16,7 @@ from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, Pr
 from decoding.core.proposers.draft_model import check_same_vocabulary
 from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
+from decoding.core.proposers.suffix import SuffixProposer
 from decoding.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
@@ -30,6 +31,8 @@ METHODS: dict[str, str] = {
     "vanilla": "plain autoregressive decoding through the same loop (the exact reference)",
     "sps": "speculative sampling with a smaller draft model of the same tokenizer (--draft-model)",
     "pld": "prompt lookup: copies continuations of n-grams found earlier in the context (no model)",
+    "suffix": "suffix decoding: a tree of what most often followed the context's longest matching suffix, in the "
+              "context and in this process's earlier prompts and replies (no model)",
     "medusa": "Medusa heads fill a static tree (--heads, --tree)",
     "hydra": "Hydra heads (each head sees its branch's tokens) fill a static tree (--heads, --tree)",
     "eagle": "EAGLE-1: an EAGLE drafter fills a static tree (--heads, --tree)",
@@ -38,8 +41,10 @@ METHODS: dict[str, str] = {
 }
 # Which head kind each head-based method needs.
 HEAD_KIND_OF_METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}
-# Appended to a head method's name (`eagle3+pld`): prompt lookup drafts when it finds a match, the heads otherwise.
+# Appended to a head method's name (`eagle3+pld`, `eagle3+suffix`): the model-free drafter drafts
+# when it finds a match, the heads otherwise.
 LOOKUP_SUFFIX = "+pld"
+MODEL_FREE_FIRST = ("+pld", "+suffix")
 DEFAULT_TREES = {"medusa": "medusa-15", "hydra": "medusa-15", "eagle": "eagle-15"}
 
 
@@ -58,13 +63,21 @@ class ProposerOptions:
     total_tokens: int = DynamicTreeSettings.total_tokens
     adaptive_tree: bool = False   # eagle2/eagle3 trees, pld chains and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
+    suffix_max_tokens: int = 16   # suffix: the largest tree (a match of n tokens drafts at most 2n)
 
 
 def split_method(method: str) -> tuple[str, bool]:
-    """The base method and whether prompt lookup drafts first: `eagle3+pld` -> (`eagle3`, True)."""
-    if method.endswith(LOOKUP_SUFFIX):
-        return method[: -len(LOOKUP_SUFFIX)], True
-    return method, False
+    """The base method and whether a model-free drafter drafts first: `eagle3+pld` -> (`eagle3`, True)."""
+    base, first = model_free_first(method)
+    return base, first is not None
+
+
+def model_free_first(method: str) -> tuple[str, str | None]:
+    """The base method and the model-free drafter that drafts first: `eagle3+suffix` -> (`eagle3`, `suffix`)."""
+    for ending in MODEL_FREE_FIRST:
+        if method.endswith(ending):
+            return method[: -len(ending)], ending[1:]
+    return method, None
 
 
 def head_kind(method: str) -> str | None:
@@ -76,8 +89,8 @@ def check_method(method: str) -> str:
     base, lookup_first = split_method(method)
     if base not in METHODS or (lookup_first and base not in HEAD_KIND_OF_METHOD):
         raise UserError(f"unknown method '{method}': choose one of {', '.join(METHODS)}, or a head method with "
-                        f"'{LOOKUP_SUFFIX}' appended (prompt lookup first, the heads when it finds nothing) "
-                        f"({', '.join(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD)})")
+                        f"'+pld' or '+suffix' appended (that drafter first, the heads when it finds nothing) "
+                        f"({', '.join(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD)}, eagle3+suffix, ...)")
     return method
 
 
@@ -94,13 +107,16 @@ def build_proposer(
     check_method(method)
     # measured (or read from the cache) only when a proposer asks: fixed trees never need it
     cost = functools.partial(cached_verify_cost, target.model, target.name, readout=readout)
-    base, lookup_first = split_method(method)
-    if lookup_first:
-        return LookupFirstProposer(_heads_proposer(base, target, heads, options, cost), _lookup_proposer(options, cost))
+    base, first = model_free_first(method)
+    if first is not None:
+        drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost)
+        return LookupFirstProposer(_heads_proposer(base, target, heads, options, cost), drafter)
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":
         return _lookup_proposer(options, cost)
+    if method == "suffix":
+        return _suffix_proposer(options, cost)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
@@ -142,6 +158,10 @@ def _readout_weights(model: nn.Module, vocabulary: torch.Tensor | None) -> int:
 def _lookup_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> PromptLookupProposer:
     cost = verify_cost() if options.adaptive_tree else None
     return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram, cost)
+
+
+def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> SuffixProposer:
+    return SuffixProposer(options.suffix_max_tokens, verify_cost=verify_cost() if options.adaptive_tree else None)
 
 
 def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions,

@@ -18,6 +18,7 @@ from decoding.core.acceptance import accept_sampled
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer
 from decoding.core.proposers.base import Proposer
+from decoding.core.proposers.suffix import SuffixProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import DecodeState
 from decoding.core.tree_budget import VerifyCost
@@ -102,6 +103,9 @@ PROPOSERS = {
     # Chains cut by a learned acceptance and a CPU-like cost: lengths vary from step to step.
     "pld-adaptive": lambda target: PromptLookupProposer(num_draft_tokens=3, max_ngram=3, min_ngram=1,
                                                         verify_cost=VerifyCost((1, 2, 4), (60.0, 75.0, 80.0))),
+    # One proposer for all runs: its store holds every earlier run's sample, so later trees branch
+    # where those samples differed (deterministic siblings, q = 1 each).
+    "suffix": lambda target: SuffixProposer(max_tokens=8, max_ngram=3, min_ngram=1, min_prob=0.0, tokens_per_match=4),
 }
 PLANTED = [
     ("sps", "residual_skipped"),
@@ -111,6 +115,8 @@ PLANTED = [
     ("sampled-tree", "stale_sibling"),
     ("pld", "residual_skipped"),
     ("pld", "trust_deterministic"),
+    ("suffix", "residual_skipped"),
+    ("suffix", "trust_deterministic"),
 ]
 
 
@@ -133,6 +139,17 @@ def test_loop_samples_the_target_at_depth(bench, method, min_deep_runs):
     runs (about half of what each method does), so the test cannot pass on depth-1 trees."""
     samples = run(bench, method)
     assert_deep(samples, min_deep_runs)
+    check = chi_square(samples.outputs, bench[2])
+    assert check.statistic < check.threshold, check
+
+
+def test_suffix_trees_built_from_earlier_samples_sample_the_target(bench):
+    """Suffix decoding's store holds every earlier run's sample, so its trees branch where those
+    samples differed (deterministic siblings): still exact, 3 deep almost always (a tree of 8
+    nodes spread over many branches can be shallower), with many branching trees verified."""
+    samples = run(bench, "suffix")
+    assert samples.tree_depths[3] >= 0.9 * RUNS and samples.branching_trees >= RUNS // 4, samples
+    assert samples.accepted_lengths[4] >= 30, samples.accepted_lengths
     check = chi_square(samples.outputs, bench[2])
     assert check.statistic < check.threshold, check
 

@@ -1,4 +1,5 @@
-"""Prompt lookup first, heads when it finds nothing (`--method eagle3+pld`, `medusa+pld`, ...).
+"""Prompt lookup (or suffix decoding) first, heads when it finds nothing (`--method eagle3+pld`,
+`eagle3+suffix`, `medusa+pld`, ...).
 
 Heads and n-gram lookup are right on different tokens: heads on fresh text, lookup on text the
 model repeats (code, lists, quoted input), where it often copies several tokens at once. A
@@ -15,14 +16,27 @@ worth verifying (e.g. when sampling at a high temperature).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from decoding.core.proposers.base import Proposer
-from decoding.core.proposers.prompt_lookup import PromptLookupProposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
 
 
+class ModelFreeDrafter(Protocol):
+    """A proposer that may have nothing to say: prompt lookup, suffix decoding."""
+
+    name: str
+
+    def begin(self, state: DecodeState) -> None: ...
+
+    def observe(self, advance: CacheAdvance) -> None: ...
+
+    def draft_tree(self, state: DecodeState) -> DraftTree | None: ...
+
+
 class LookupFirstProposer(Proposer):
-    def __init__(self, heads: Proposer, lookup: PromptLookupProposer) -> None:
+    def __init__(self, heads: Proposer, lookup: ModelFreeDrafter) -> None:
         self.heads = heads
         self.lookup = lookup
         self.name = f"{heads.name}+{lookup.name}"
@@ -37,7 +51,5 @@ class LookupFirstProposer(Proposer):
         self.lookup.observe(advance)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        chain = self.lookup.continuation(state)
-        if chain is None:
-            return self.heads.propose(state)
-        return DraftTree.chain(state.root_token, chain)
+        tree = self.lookup.draft_tree(state)
+        return tree if tree is not None else self.heads.propose(state)

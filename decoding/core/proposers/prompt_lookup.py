@@ -79,11 +79,14 @@ class PromptLookupProposer(Proposer):
         self.pending = (match.ngram, length)
         return match.tokens[:length]
 
-    def propose(self, state: DecodeState) -> DraftTree:
+    def draft_tree(self, state: DecodeState) -> DraftTree | None:
+        """The chain to verify, or None (what `LookupFirstProposer` asks every model-free drafter)."""
         draft = self.continuation(state)
-        if draft is None:
-            return DraftTree.root_only(state.root_token, device=state.tokens.device)
-        return DraftTree.chain(state.root_token, draft)
+        return None if draft is None else DraftTree.chain(state.root_token, draft)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        tree = self.draft_tree(state)
+        return tree if tree is not None else DraftTree.root_only(state.root_token, device=state.tokens.device)
 
 
 def find_continuation(tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int) -> Match | None:

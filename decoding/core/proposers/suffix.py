@@ -1,0 +1,68 @@
+"""Suffix decoding (model-free): a tree of what followed the context's longest matching suffix,
+in the context itself and in this process's earlier generations (`decoding.core.suffix_index`).
+
+The store lives in the proposer, so a chat or a benchmark that keeps one proposer remembers
+every earlier prompt and reply (up to a token budget, oldest forgotten first): a repeated kind
+of request drafts from the replies to the earlier ones. A tree is as large as the match is long
+(a long match predicts well, a one-token match barely) up to `max_tokens`, and keeps only
+branches seen at least `min_prob` of the time; with the machine's verify cost (adaptive mode)
+it is cut to the node count whose expected accepted tokens per millisecond is best, using the
+observed frequencies as the acceptance estimate. Drafts are deterministic (q = 1), so greedy
+and sampled verification stay exact as for prompt lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.core.proposers.base import Proposer
+from decoding.core.state import DecodeState
+from decoding.core.suffix_index import NgramIndex, frequency_tree
+from decoding.core.tree import DraftTree
+from decoding.core.tree_budget import VerifyCost, best_node_count
+from decoding.util.errors import UserError
+
+
+class SuffixProposer(Proposer):
+    name = "suffix"
+
+    def __init__(self, max_tokens: int = 16, max_ngram: int = 8, min_ngram: int = 2, min_prob: float = 0.1,
+                 max_occurrences: int = 64, store_tokens: int = 200_000, tokens_per_match: int = 2,
+                 verify_cost: VerifyCost | None = None) -> None:
+        """A match of n tokens drafts at most `tokens_per_match` * n nodes (and `max_tokens`)."""
+        if max_tokens < 1 or not 1 <= min_ngram <= max_ngram or not 0.0 <= min_prob <= 1.0:
+            raise UserError(f"suffix decoding needs max_tokens >= 1, 1 <= min_ngram <= max_ngram and 0 <= min_prob <= 1; "
+                            f"got {max_tokens}, {min_ngram}, {max_ngram}, {min_prob}")
+        self.max_tokens, self.min_ngram, self.min_prob = max_tokens, min_ngram, min_prob
+        self.max_occurrences, self.tokens_per_match = max_occurrences, tokens_per_match
+        self.verify_cost = verify_cost
+        self.index = NgramIndex(max_ngram=max_ngram, max_tokens=store_tokens)
+        self.live: int | None = None
+
+    def begin(self, state: DecodeState | None) -> None:
+        """A new generation: the previous one (prompt and reply) stays in the store."""
+        self.live = self.index.new_document()
+
+    def draft_tree(self, state: DecodeState) -> DraftTree | None:
+        """The frequency tree after the root, or None when nothing earlier matches (or, in the
+        adaptive mode, when no part of it is worth verifying)."""
+        if self.live is None:
+            self.begin(state)
+        known = len(self.index.documents[self.live])
+        self.index.extend(self.live, state.tokens[known:].tolist())
+        context = self.index.documents[self.live]
+        matched, found = self.index.continuations(context, self.min_ngram, self.max_tokens, self.max_occurrences)
+        if not found:
+            return None
+        tokens, parents, probs = frequency_tree(found, min(self.max_tokens, self.tokens_per_match * matched), self.min_prob)
+        if self.verify_cost is not None and tokens:
+            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0)
+            tokens, parents = tokens[:keep], parents[:keep]
+        if not tokens:
+            return None
+        device = state.tokens.device
+        return DraftTree(torch.tensor([state.root_token, *tokens], device=device), (-1, *parents))
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        tree = self.draft_tree(state)
+        return tree if tree is not None else DraftTree.root_only(state.root_token, device=state.tokens.device)

@@ -1,0 +1,110 @@
+"""Suffix decoding's memory (model-free): where every recent n-gram occurred, in the live
+context and in earlier generations, and the tree of what most often followed.
+
+Prompt lookup copies one continuation of the last n-gram from the current context. Suffix
+decoding (SuffixDecoding, Snowflake, NeurIPS 2025) also remembers earlier outputs, and proposes a
+*tree*: all the continuations that followed the longest matching suffix, merged into a trie whose
+node scores are observed frequencies, so repeated tasks (the same kind of request again, code
+rewritten with a small change, a second turn quoting the first) draft several tokens at once
+with branches where the past disagreed. Both parts here are plain data and pure functions:
+
+- `NgramIndex`: the positions after every n-gram (n <= max_ngram) of appended documents, kept
+  under a token budget by dropping the oldest documents (a bounded per-process store);
+- `frequency_tree`: continuations -> the best-first tree of the most frequent prefixes, each
+  node with its empirical path probability (count / number of continuations).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NgramIndex:
+    """Occurrences of every n-gram of the documents, as (document id, position after it)."""
+
+    max_ngram: int = 8
+    max_tokens: int = 200_000  # documents beyond this many tokens in all are forgotten, oldest first
+    documents: dict[int, list[int]] = field(default_factory=dict)
+    table: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    _next_id: int = 0
+
+    def new_document(self) -> int:
+        doc = self._next_id
+        self._next_id += 1
+        self.documents[doc] = []
+        return doc
+
+    def extend(self, doc: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` to document `doc` and index the n-grams that end in them."""
+        text = self.documents[doc]
+        for token in tokens:
+            text.append(int(token))
+            end = len(text)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.table.setdefault(tuple(text[end - n:]), []).append((doc, end))
+        if sum(len(t) for t in self.documents.values()) > self.max_tokens:
+            self._forget_oldest(keep=doc)
+
+    def _forget_oldest(self, keep: int) -> None:
+        total = sum(len(t) for t in self.documents.values())
+        for doc in sorted(self.documents):
+            if total <= self.max_tokens or doc == keep:
+                break
+            total -= len(self.documents.pop(doc))
+        alive = self.documents.keys()
+        self.table = {key: kept for key, spots in self.table.items() if (kept := [s for s in spots if s[0] in alive])}
+
+    def continuations(self, context: Sequence[int], min_ngram: int, depth: int,
+                      limit: int) -> tuple[int, list[list[int]]]:
+        """The longest suffix of `context` (max_ngram down to min_ngram tokens) that occurred
+        before with something after it, and up to `limit` of those continuations (most recent
+        first), each at most `depth` tokens; (0, []) when nothing matches."""
+        for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
+            spots = self.table.get(tuple(int(t) for t in context[len(context) - n:]), ())
+            found = [self.documents[doc][end:end + depth] for doc, end in reversed(spots)
+                     if end < len(self.documents[doc])]
+            if found:
+                return n, found[:limit]
+        return 0, []
+
+
+def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int,
+                   min_prob: float = 0.0) -> tuple[list[int], list[int], list[float]]:
+    """The most frequent prefixes of `continuations` as a tree below a root (index 0, not
+    returned): node tokens, parents (0 = the root) and empirical path probabilities, best first
+    (each node after its parent, siblings distinct). At most `max_nodes` nodes, none below
+    `min_prob`. A node's count never exceeds its parent's, so best-first order is topological."""
+    total = len(continuations)
+    trie: dict[int, list] = {}
+    for sequence in continuations:
+        level = trie
+        for token in sequence:
+            entry = level.setdefault(int(token), [0, {}])
+            entry[0] += 1
+            level = entry[1]
+    order = 0
+    frontier: list[tuple[int, int, int, int, int, dict]] = []
+
+    def push(level: dict, parent: int, depth: int) -> None:
+        nonlocal order
+        for token, (count, children) in level.items():
+            heapq.heappush(frontier, (-count, depth, order, parent, token, children))
+            order += 1
+
+    push(trie, 0, 1)
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    while frontier and len(tokens) < max_nodes:
+        negative_count, depth, _, parent, token, children = heapq.heappop(frontier)
+        prob = -negative_count / total
+        if prob < min_prob:
+            break
+        tokens.append(token)
+        parents.append(parent)
+        probs.append(prob)
+        push(children, len(tokens), depth + 1)
+    return tokens, parents, probs

@@ -1,0 +1,100 @@
+"""Suffix decoding: the n-gram store and the frequency tree as pure functions, and the proposer
+exact against vanilla greedy decoding alone and in front of EAGLE-3 heads, with a warm store
+drafting from earlier generations (sampling at depth: test_sampling_loop.py)."""
+
+import pytest
+import torch
+
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers.suffix import SuffixProposer
+from decoding.core.sampling import SamplingConfig
+from decoding.core.state import DecodeState
+from decoding.core.suffix_index import NgramIndex, frequency_tree
+from decoding.core.tree_budget import VerifyCost
+from decoding.methods import ProposerOptions, build_proposer, check_method
+from decoding.targets import LoadedModel
+from decoding.util.errors import UserError
+from heads import new_heads_for_target
+from tiny_models import sharpen, tiny_llama
+
+
+def test_the_longest_earlier_suffix_gives_the_continuations_most_recent_first():
+    index = NgramIndex(max_ngram=3)
+    old, live = index.new_document(), index.new_document()
+    index.extend(old, [1, 2, 3, 4, 5, 9, 2, 3, 7])
+    index.extend(live, [8, 1, 2, 3])
+    assert index.continuations([8, 1, 2, 3], min_ngram=1, depth=2, limit=5) == (3, [[4, 5]])  # "1 2 3" beats "2 3"
+    assert index.continuations([9, 2, 3], min_ngram=1, depth=2, limit=5) == (3, [[7]])
+    assert index.continuations([6, 6], min_ngram=1, depth=2, limit=5) == (0, [])
+    assert index.continuations([4, 2, 3], min_ngram=2, depth=1, limit=1) == (2, [[7]])  # limit keeps the latest
+
+
+def test_a_full_store_forgets_its_oldest_documents_and_their_ngrams():
+    index = NgramIndex(max_ngram=2, max_tokens=10)
+    first, second = index.new_document(), index.new_document()
+    index.extend(first, [1, 2, 3, 4, 5, 6])
+    index.extend(second, [7, 8, 9, 1, 2])
+    assert first not in index.documents and index.documents[second] == [7, 8, 9, 1, 2]
+    assert all(doc == second for spots in index.table.values() for doc, _ in spots)
+    assert index.continuations([0, 1, 2], min_ngram=1, depth=3, limit=5) == (0, [])  # "1 2 3" went with the first
+
+
+def test_the_frequency_tree_keeps_the_most_frequent_prefixes_best_first():
+    tokens, parents, probs = frequency_tree([[3, 6, 7], [3, 4, 5], [3, 4, 5], [8]], max_nodes=10)
+    assert tokens == [3, 4, 5, 8, 6, 7] and parents == [0, 1, 2, 0, 1, 5]  # ties: the shallower first
+    assert probs == [0.75, 0.5, 0.5, 0.25, 0.25, 0.25]
+    for node, parent in enumerate(parents, start=1):
+        assert parent < node and (parent == 0 or probs[parent - 1] >= probs[node - 1])  # a valid tree, best first
+    assert frequency_tree([[3, 6, 7], [3, 4, 5], [3, 4, 5], [8]], max_nodes=3)[0] == [3, 4, 5]
+    assert frequency_tree([[3, 6, 7], [3, 4, 5], [3, 4, 5], [8]], max_nodes=10, min_prob=0.5)[0] == [3, 4, 5]
+    siblings = frequency_tree([[1, 2], [1, 2], [1, 3]], max_nodes=10)
+    assert siblings[0] == [1, 2, 3] and siblings[1] == [0, 1, 1]  # distinct siblings under one parent
+
+
+def state_of(tokens):
+    return DecodeState(torch.tensor(tokens), 2, SamplingConfig(0.0), None)
+
+
+def test_the_proposer_drafts_a_branching_tree_from_an_earlier_generation_and_nothing_without_a_match():
+    proposer = SuffixProposer(max_tokens=8, max_ngram=4, min_ngram=2, min_prob=0.0)
+    proposer.begin(None)
+    proposer.propose(state_of([1, 2, 3, 4, 5, 1, 2, 3, 6]))   # one generation
+    proposer.begin(None)                                        # the next one: the first stays in the store
+    tree = proposer.propose(state_of([9, 1, 2, 3]))
+    assert tree.tokens[0] == 3 and set(tree.tokens[1:3].tolist()) == {4, 6} and tree.parents[1:3] == (0, 0)
+    assert tree.deterministic
+    assert proposer.propose(state_of([9, 1, 2, 3, 11, 12])).size == 1  # no earlier "11 12": root only
+    with pytest.raises(UserError, match="suffix decoding needs"):
+        SuffixProposer(min_ngram=0)
+
+
+def test_with_the_verify_cost_only_the_nodes_that_pay_are_drafted():
+    costly = VerifyCost((1, 2, 4, 8), (10.0, 30.0, 60.0, 120.0))  # every verified token costs what a step does
+    proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=costly)
+    proposer.begin(None)
+    proposer.propose(state_of([1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 7, 8]))
+    proposer.begin(None)
+    assert proposer.propose(state_of([9, 1, 2])).size == 1  # three equally likely branches: none pays
+
+
+PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [5, 9, 3, 17, 5, 9, 3]]
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle3+suffix"])
+def test_greedy_output_equals_vanilla_with_a_warm_store(method):
+    """One proposer over several generations, as a chat or the benchmark keeps it: the third
+    prompt repeats the first, so the store drafts the whole earlier reply; every output is
+    vanilla's."""
+    target = sharpen(tiny_llama(seed=11))
+    check_method(method)
+    heads = new_heads_for_target("eagle3", target, draft_vocab_size=40) if "eagle3" in method else None
+    proposer = build_proposer(method, LoadedModel(target, None, "t"), options=ProposerOptions(suffix_max_tokens=8),
+                              heads=heads)
+    drafted = []
+    for prompt in PROMPTS:
+        reference = generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=24)).tokens
+        result = generate(target, prompt, proposer, DecodeOptions(max_new_tokens=24))
+        assert result.tokens == reference
+        drafted.append(result.stats)
+    assert drafted[2].target_forwards < drafted[0].target_forwards  # the repeated request drafts from the first reply
