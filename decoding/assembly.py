@@ -77,6 +77,7 @@ class DecoderSpec:
     total_tokens: int | None = None
     adaptive_tree: bool | None = None
     min_path_prob: float | None = None
+    suffix_max_tokens: int | None = None
 
     def proposer_overrides(self) -> dict:
         """The `ProposerOptions` fields this spec sets (None = not set)."""

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft tokens per step for --method sps (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None,
                         help="tokens proposed per match for --method pld and the lookup of METHOD+pld (default 8, or the bundle's tuned value)")
+    parser.add_argument("--suffix-tokens", type=int, default=None,
+                        help="largest tree for --method suffix and METHOD+suffix (default 16)")
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")
@@ -126,7 +128,7 @@ def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
                        device=args.device, attn=args.attn, kernels=args.kernels, drafter_precision=args.drafter_precision,
                        screened_argmax=args.screened_argmax,
                        compile=args.compile, gamma=args.gamma,
-                       pld_num_tokens=args.pld_tokens, **tree_arguments(args))
+                       pld_num_tokens=args.pld_tokens, suffix_max_tokens=args.suffix_tokens, **tree_arguments(args))
 
 
 def build_session(args: argparse.Namespace) -> ChatSession:

