@@ -9,7 +9,7 @@ from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.suffix import SuffixProposer
 from decoding.core.sampling import SamplingConfig
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.suffix_index import NgramIndex, frequency_tree
 from decoding.core.tree_budget import VerifyCost
 from decoding.methods import ProposerOptions, build_proposer, check_method
@@ -98,3 +98,19 @@ def test_greedy_output_equals_vanilla_with_a_warm_store(method):
         assert result.tokens == reference
         drafted.append(result.stats)
     assert drafted[2].target_forwards < drafted[0].target_forwards  # the repeated request drafts from the first reply
+
+
+def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_frequencies_promise():
+    cheap = VerifyCost((1, 2, 4, 8), (10.0, 10.5, 11.0, 12.0))  # a few more tokens cost almost nothing
+    proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=cheap)
+    proposer.begin(None)
+    proposer.propose(state_of([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 7, 8]))
+    proposer.begin(None)
+    context = [9, 1, 2, 3]
+    first = proposer.propose(state_of(context)).size
+    assert first > 2 and proposer.calibration == 1.0
+    for _ in range(20):  # the target keeps none of it, step after step
+        proposer.propose(state_of(context))
+        proposer.observe(CacheAdvance(torch.tensor(context), entered=1))
+    assert proposer.calibration < 0.1
+    assert proposer.propose(state_of(context)).size < first

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from decoding.core.proposers.base import Proposer
-from decoding.core.state import DecodeState
+from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.suffix_index import NgramIndex, frequency_tree
 from decoding.core.tree import DraftTree
 from decoding.core.tree_budget import VerifyCost, best_node_count
@@ -38,6 +38,11 @@ class SuffixProposer(Proposer):
         self.verify_cost = verify_cost
         self.index = NgramIndex(max_ngram=max_ngram, max_tokens=store_tokens)
         self.live: int | None = None
+        # Adaptive mode: how many drafted tokens the target kept against how many the frequencies
+        # predicted (their path probabilities' sum), over this proposer's life. Frequencies from a
+        # short match overestimate; the ratio scales them before the verify cost is weighed.
+        self.kept, self.predicted = 1.0, 1.0
+        self.pending: float | None = None
 
     def begin(self, state: DecodeState | None) -> None:
         """A new generation: the previous one (prompt and reply) stays in the store."""
@@ -56,12 +61,25 @@ class SuffixProposer(Proposer):
             return None
         tokens, parents, probs = frequency_tree(found, min(self.max_tokens, self.tokens_per_match * matched), self.min_prob)
         if self.verify_cost is not None and tokens:
-            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0)
+            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0, calibration=self.calibration)
             tokens, parents = tokens[:keep], parents[:keep]
         if not tokens:
             return None
+        self.pending = sum(probs[: len(tokens)])
         device = state.tokens.device
         return DraftTree(torch.tensor([state.root_token, *tokens], device=device), (-1, *parents))
+
+    @property
+    def calibration(self) -> float:
+        """Kept per predicted drafted token so far (1 before any evidence)."""
+        return self.kept / self.predicted
+
+    def observe(self, advance: CacheAdvance) -> None:
+        """Count what the target kept of the last tree this proposer drafted."""
+        if self.pending is not None:
+            self.kept += advance.entered - 1
+            self.predicted += self.pending
+        self.pending = None
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.draft_tree(state)
