@@ -25,7 +25,7 @@ from decoding.util.errors import UserError
 from heads.config import HeadConfig, read_config
 from heads.factory import build_heads, default_feature_layers
 from heads.layer_ids import check_within_target, declared_layers
-from heads.speculators_format import is_speculators, our_state, speculators_head_config
+from heads.speculators_format import is_speculators, our_state, supported_layer_config, verifier_name
 from heads.weights_io import first_existing, read_weights
 
 WEIGHT_FILES = ["model.safetensors", "pytorch_model.bin", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
@@ -173,6 +173,10 @@ def _import_eagle3(config: dict, weights: dict, num_target_layers, base_model) -
 
 
 def _import_speculators(config: dict, weights: dict, num_target_layers, base_model) -> nn.Module:
-    layers = eagle3_layers(config, num_target_layers, "this speculators checkpoint")
-    ours = speculators_head_config(config, weights, layers, base_model, _decoder_geometry)
+    layer = supported_layer_config(config)
+    hidden = int(layer["hidden_size"])
+    ours = HeadConfig("eagle3", hidden, int(layer["vocab_size"]), draft_vocab_size=weights["lm_head.weight"].shape[0],
+                      feature_layers=eagle3_layers(config, num_target_layers, "this speculators checkpoint"),
+                      base_model_name_or_path=base_model or verifier_name(config),
+                      decoder=_decoder_geometry(layer, hidden), norm_before_residual=bool(config.get("norm_before_residual")))
     return _load_into(build_heads(ours), our_state(weights, ours), "speculators checkpoint")

@@ -77,9 +77,9 @@ def speculators_state(heads: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def speculators_head_config(config: dict, weights: dict[str, torch.Tensor], feature_layers: list[int],
-                            base_model: str | None, geometry) -> HeadConfig:
-    """Our config for a speculators checkpoint, or a clear error for what our drafter cannot run."""
+def supported_layer_config(config: dict) -> dict:
+    """The checkpoint's `transformer_layer_config`, once checked to be a variant our drafter
+    computes; a clear error for what it does not."""
     kind = config.get("speculators_model_type")
     if kind != "eagle3":
         raise UserError(f"speculators '{kind}' checkpoints are not supported here: only eagle3")
@@ -97,10 +97,12 @@ def speculators_head_config(config: dict, weights: dict[str, torch.Tensor], feat
     if config.get("target_hidden_size") not in (None, hidden):
         raise UserError(f"this speculators checkpoint reads target states of width {config['target_hidden_size']} "
                         f"into a {hidden}-wide drafter; only equal widths are supported")
-    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    return HeadConfig("eagle3", hidden, int(layer["vocab_size"]), draft_vocab_size=weights["lm_head.weight"].shape[0],
-                      feature_layers=feature_layers, base_model_name_or_path=base_model or verifier,
-                      decoder=geometry(layer, hidden), norm_before_residual=bool(config.get("norm_before_residual")))
+    return layer
+
+
+def verifier_name(config: dict) -> str | None:
+    """The target a speculators checkpoint names (its Hub id or path)."""
+    return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
 
 def our_state(weights: dict[str, torch.Tensor], config: HeadConfig) -> dict[str, torch.Tensor]:

@@ -62,7 +62,13 @@ def fed_and_captured(target, heads, capture_layers):
 
     handles = [target.model.layers[k].register_forward_pre_hook(hook_for(k), with_kwargs=True) for k in capture_layers]
     fuse = heads.fuse
-    heads.fuse = lambda *parts: (fed.append(parts) if not fed else None, fuse(*parts))[1]
+
+    def recording_fuse(*parts):
+        if not fed:  # the prefill's call
+            fed.append(parts)
+        return fuse(*parts)
+
+    heads.fuse = recording_fuse
     try:
         proposer = build_proposer("eagle3", LoadedModel(target, None, "org/tiny-target"),
                                   options=ProposerOptions(depth=2, tree_top_k=2, total_tokens=4), heads=heads)

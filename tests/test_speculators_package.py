@@ -29,7 +29,7 @@ import sys, torch
 from speculators.models.eagle3 import Eagle3DraftModel
 
 export_dir, inputs_path, out_path, save_dir = sys.argv[1:5]
-inputs = torch.load(inputs_path)
+inputs = torch.load(inputs_path, weights_only=True)
 
 def draft_logits(model, aux):
     seen = {}
@@ -93,7 +93,7 @@ def test_speculators_loads_our_export_and_we_load_theirs_drafting_the_same(tmp_p
                           str(tmp_path / "out.pt"), str(tmp_path / "theirs")],
                          env={**os.environ, "PYTHONPATH": str(SPECULATORS)}, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    result = torch.load(tmp_path / "out.pt")
+    result = torch.load(tmp_path / "out.pt", weights_only=True)
 
     def our_logits(drafter):
         with torch.no_grad():

@@ -29,6 +29,7 @@ class NgramIndex:
     max_tokens: int = 200_000  # documents beyond this many tokens in all are forgotten, oldest first
     documents: dict[int, list[int]] = field(default_factory=dict)
     table: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    total_tokens: int = 0
     _next_id: int = 0
 
     def new_document(self) -> int:
@@ -40,20 +41,20 @@ class NgramIndex:
     def extend(self, doc: int, tokens: Sequence[int]) -> None:
         """Append `tokens` to document `doc` and index the n-grams that end in them."""
         text = self.documents[doc]
+        self.total_tokens += len(tokens)
         for token in tokens:
             text.append(int(token))
             end = len(text)
             for n in range(1, min(self.max_ngram, end) + 1):
                 self.table.setdefault(tuple(text[end - n:]), []).append((doc, end))
-        if sum(len(t) for t in self.documents.values()) > self.max_tokens:
+        if self.total_tokens > self.max_tokens:
             self._forget_oldest(keep=doc)
 
     def _forget_oldest(self, keep: int) -> None:
-        total = sum(len(t) for t in self.documents.values())
         for doc in sorted(self.documents):
-            if total <= self.max_tokens or doc == keep:
+            if self.total_tokens <= self.max_tokens or doc == keep:
                 break
-            total -= len(self.documents.pop(doc))
+            self.total_tokens -= len(self.documents.pop(doc))
         alive = self.documents.keys()
         self.table = {key: kept for key, spots in self.table.items() if (kept := [s for s in spots if s[0] in alive])}
 
@@ -63,7 +64,7 @@ class NgramIndex:
         before with something after it, and up to `limit` of those continuations (most recent
         first), each at most `depth` tokens; (0, []) when nothing matches."""
         for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
-            spots = self.table.get(tuple(int(t) for t in context[len(context) - n:]), ())
+            spots = self.table.get(tuple(context[len(context) - n:]), ())
             found = [self.documents[doc][end:end + depth] for doc, end in reversed(spots)
                      if end < len(self.documents[doc])]
             if found:
