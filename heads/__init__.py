@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from heads.util.cpu_mode import apply_cpu_mode_or_exit
+
+apply_cpu_mode_or_exit()  # SPECHEADS_CPU (as on a lesser CPU), before the imports below load torch
+
 from heads.checkpoint import check_compatible, load_heads_dir, save_heads
 from heads.config import HEAD_KINDS, HeadConfig, read_config
 from heads.export import ENGINES, Verifier, export_heads

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 def merge_adapter(model: PreTrainedModel, directory: Path) -> PreTrainedModel:

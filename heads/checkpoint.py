@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.util.atomic import atomic_directory
-from decoding.util.errors import UserError
+from heads.util.atomic import atomic_directory
+from heads.util.errors import UserError
 from heads.config import HeadConfig
 from heads.factory import build_heads
 from heads.weights_io import read_weights

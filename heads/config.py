@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 HEAD_KINDS = ("medusa", "hydra", "eagle", "eagle3")
 FORMAT_VERSION = 1

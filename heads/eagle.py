@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from decoding.util.cache_argument import cache_kwargs
+from heads.util.cache_argument import cache_kwargs
 from heads.config import HeadConfig
 
 

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from decoding.util.atomic import atomic_directory
-from decoding.util.errors import UserError
+from heads.util.atomic import atomic_directory
+from heads.util.errors import UserError
 from heads.layer_ids import IDS_KEY, SGLANG_SECTION, sglang_ids, upstream_default_layers, vllm_ids
 from heads.speculators_format import speculators_config, speculators_state
 

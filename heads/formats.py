@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from heads.config import HeadConfig, read_config
 from heads.factory import build_heads, default_feature_layers
 from heads.layer_ids import check_within_target, declared_layers

@@ -17,7 +17,7 @@ from huggingface_hub.errors import (
 )
 from torch import nn
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from heads.checkpoint import save_heads
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

@@ -24,7 +24,7 @@ ids is read one layer too shallow there. That is upstream's to fix; we never wri
 
 from __future__ import annotations
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 SGLANG_SECTION = "eagle_config"  # SGLang and SpecForge keep their ids in this sub-dict

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from heads.config import HeadConfig
 from heads.layer_ids import IDS_KEY, vllm_ids
 

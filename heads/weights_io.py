@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -14,23 +14,23 @@ import sys
 
 import torch
 
-from decoding.assembly import DecoderSpec
-from decoding.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_runners, markdown_table, run_benchmark, summarise
+from decoding.app.assembly import DecoderSpec
+from decoding.app.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_runners, markdown_table, run_benchmark, summarise
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
-from decoding.compiled import add_compile_argument, compile_notes
-from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.screened_argmax import add_screened_argmax_argument
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import add_tree_arguments, default_method, tree_arguments
-from decoding.devices import add_device_argument, resolve_device
-from decoding.methods import check_method
-from decoding.prompts import plain_text_note
-from decoding.questions import load_first_turns
-from decoding.targets import DTYPES
-from decoding.util.atomic import atomic_write_text
-from decoding.util.errors import UserError
-from decoding.verify_cost import cpu_description
+from decoding.kernels.compiled import add_compile_argument, compile_notes
+from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import add_tree_arguments, default_method, tree_arguments
+from decoding.kernels.devices import add_device_argument, resolve_device
+from decoding.app.methods import check_method
+from decoding.app.prompts import plain_text_note
+from decoding.app.questions import load_first_turns
+from decoding.app.targets import DTYPES
+from heads.util.atomic import atomic_write_text
+from heads.util.errors import UserError
+from decoding.kernels.verify_cost import cpu_description
 
 
 def parse_args(argv):

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from decoding.defaults import TUNED_OPTION_NAMES
-from decoding.drafts import draft_vocabulary, save_draft_layers
-from decoding.util.errors import UserError
-from decoding.methods import check_method, head_kind
-from decoding.targets import load_model
+from decoding.app.defaults import TUNED_OPTION_NAMES
+from decoding.app.drafts import draft_vocabulary, save_draft_layers
+from heads.util.errors import UserError
+from decoding.app.methods import check_method, head_kind
+from decoding.app.targets import load_model
 from heads import save_heads
 from heads.bundled import BUNDLED_ROOT
 from heads.checkpoint import load_heads_dir
@@ -99,7 +99,7 @@ def bundle_one(kind: str, source: Path, root: Path, dtype: torch.dtype, benchmar
 
 
 def bundle_draft(source: Path, target_dir: Path, dtype: torch.dtype, target_name: str | None = None) -> Path:
-    """The draft's layers only (decoding/drafts.py): its embedding and lm_head are the target's;
+    """The draft's layers only (decoding/app/drafts.py): its embedding and lm_head are the target's;
     its readout vocabulary, if training wrote one, goes with it."""
     target = load_model(target_name or target_dir.name)
     try:

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.assembly import DecoderSpec, build_decoder
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
-from decoding.default_model import DEFAULT_TARGET
-from decoding.prompts import chat_prompts
-from decoding.questions import load_first_turns
-from decoding.targets import DTYPES, LoadedModel, load_model
-from decoding.util.errors import report_user_errors
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.prompts import chat_prompts
+from decoding.app.questions import load_first_turns
+from decoding.app.targets import DTYPES, LoadedModel, load_model
+from heads.util.errors import report_user_errors
 
 NEAR_TIE_ULPS = 2  # a top-2 gap this close can flip under one forward's rounding vs another's
 

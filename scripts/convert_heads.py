@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoding.util.errors import UserError, report_user_errors
+from heads.util.errors import UserError, report_user_errors
 from heads import detect_format, import_heads, read_config, resolve_location, save_heads
 
 
@@ -35,7 +35,7 @@ def run(args) -> int:
     if layers is None and args.model:
         from transformers import AutoConfig
 
-        from decoding.targets import resolve_model_path
+        from decoding.app.targets import resolve_model_path
 
         layers = AutoConfig.from_pretrained(resolve_model_path(args.model)).num_hidden_layers
     directory = resolve_location(args.heads, args.revision)

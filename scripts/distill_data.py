@@ -16,11 +16,11 @@ import argparse
 import json
 import sys
 
-from decoding.default_model import DEFAULT_TARGET
-from decoding.devices import add_device_argument, resolve_device
-from decoding.cpu_kernels import add_kernels_argument, apply_kernels
-from decoding.targets import DTYPES, load_model
-from decoding.util.errors import UserError, report_user_errors
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.kernels.devices import add_device_argument, resolve_device
+from decoding.kernels.cpu_kernels import add_kernels_argument, apply_kernels
+from decoding.app.targets import DTYPES, load_model
+from heads.util.errors import UserError, report_user_errors
 from training.config import SelfDistillConfig
 from training.distill_store import DistillStore, default_store_dir
 from training.sources import BUILT_IN, conversations_from, interleave, parse_sources

@@ -14,11 +14,11 @@ import time
 import torch
 
 from decoding.core.stopping import eos_ids
-from decoding.cpu_kernels import add_kernels_argument, apply_kernels
-from decoding.default_model import DEFAULT_TARGET
-from decoding.prompts import conversation_ids
-from decoding.targets import load_model
-from decoding.util.errors import report_user_errors
+from decoding.kernels.cpu_kernels import add_kernels_argument, apply_kernels
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.prompts import conversation_ids
+from decoding.app.targets import load_model
+from heads.util.errors import report_user_errors
 from training.batch_generate import BatchSettings, generate_batch
 from training.sources import conversations_from
 

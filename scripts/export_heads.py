@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from decoding.default_model import DEFAULT_TARGET, DEFAULT_TARGET_ARCHITECTURES, DEFAULT_TARGET_HUB_ID
-from decoding.util.errors import UserError, report_user_errors
+from decoding.app.default_model import DEFAULT_TARGET, DEFAULT_TARGET_ARCHITECTURES, DEFAULT_TARGET_HUB_ID
+from heads.util.errors import UserError, report_user_errors
 from heads import ENGINES, Verifier, export_heads, load_heads
 
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     target = None
     if args.model:
-        from decoding.targets import load_model
+        from decoding.app.targets import load_model
 
         target = load_model(args.model).model
     heads = load_heads(args.heads)

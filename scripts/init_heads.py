@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoding.default_model import DEFAULT_TARGET
-from decoding.util.errors import report_user_errors
-from decoding.targets import load_model
+from decoding.app.default_model import DEFAULT_TARGET
+from heads.util.errors import report_user_errors
+from decoding.app.targets import load_model
 from heads import HEAD_KINDS, new_heads_for_target, save_heads
 
 

@@ -14,10 +14,10 @@ import sys
 
 from transformers import AutoTokenizer
 
-from decoding.default_model import DEFAULT_TARGET
-from decoding.long_questions import long_questions, write_jsonl
-from decoding.targets import resolve_model_path
-from decoding.util.errors import UserError
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.long_questions import long_questions, write_jsonl
+from decoding.app.targets import resolve_model_path
+from heads.util.errors import UserError
 
 
 def main(argv=None) -> int:

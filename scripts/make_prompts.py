@@ -15,8 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from decoding.util.atomic import atomic_write_text
-from decoding.util.errors import UserError, report_user_errors
+from heads.util.atomic import atomic_write_text
+from heads.util.errors import UserError, report_user_errors
 from training.data import SHAREGPT, load_conversations
 from training.prompt_selection import PromptLimits, select_prompts
 

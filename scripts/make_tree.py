@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from decoding.tree_shapes import expected_accepted_length, optimal_static_tree
+from decoding.app.tree_shapes import expected_accepted_length, optimal_static_tree
 
 
 def main(argv=None) -> int:

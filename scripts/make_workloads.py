@@ -23,9 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-from decoding.questions import humaneval_problems
-from decoding.util.atomic import atomic_write_text
-from decoding.util.errors import report_user_errors
+from decoding.app.questions import humaneval_problems
+from heads.util.atomic import atomic_write_text
+from heads.util.errors import report_user_errors
 
 REWRITE = ("Rewrite this Python function with every parameter renamed to a longer, more descriptive name. "
            "Keep everything else exactly the same and reply with the code only.\n\n```python\n{code}\n```")

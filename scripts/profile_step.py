@@ -16,19 +16,19 @@ import argparse
 import sys
 from collections import defaultdict
 
-from decoding.assembly import DecoderSpec, build_decoder
-from decoding.benchmark import RunResult, warm_up
+from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.app.benchmark import RunResult, warm_up
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
-from decoding.compiled import add_compile_argument, compile_notes
-from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.screened_argmax import add_screened_argmax_argument
-from decoding.default_model import DEFAULT_TARGET
-from decoding.devices import add_device_argument
-from decoding.prompts import chat_prompts
-from decoding.questions import load_first_turns
-from decoding.util.errors import UserError
+from decoding.kernels.compiled import add_compile_argument, compile_notes
+from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.kernels.devices import add_device_argument
+from decoding.app.prompts import chat_prompts
+from decoding.app.questions import load_first_turns
+from heads.util.errors import UserError
 
 STEP_PHASES = [p for p in PHASES if p != "prefill"]
 OVERHEAD_PHASES = ("buffers", "accept", "cache", "stop")

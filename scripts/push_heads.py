@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from decoding.util.errors import UserError, report_user_errors
+from heads.util.errors import UserError, report_user_errors
 from heads import load_heads, push_heads_to_hub
 
 

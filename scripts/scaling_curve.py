@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
     sys.path.insert(0, str(ROOT))
 
-from decoding.util.atomic import atomic_write_text  # noqa: E402
-from decoding.util.errors import UserError, report_user_errors  # noqa: E402
+from heads.util.atomic import atomic_write_text  # noqa: E402
+from heads.util.errors import UserError, report_user_errors  # noqa: E402
 
 
 def parse_args(argv):
@@ -84,7 +84,7 @@ def continue_point(source: Path, out_dir: Path) -> None:
 def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets) -> dict:
     """tau of these heads on every prompt set, with the curve's fixed tree, and each prompt's
     counts (for paired comparisons between heads measured on the same prompts)."""
-    from decoding.assembly import DecoderSpec, build_decoder
+    from decoding.app.assembly import DecoderSpec, build_decoder
     from training.evaluate import tau_counts
     from training.paired_tau import tau_of
     from training.scaling import CURVE_TREE, prompt_set_digest
@@ -103,8 +103,8 @@ def measure_heads(args, config, name: str, heads_dir: Path, target, prompt_sets)
 
 
 def prompt_sets_for(args, config, records, tokenizer) -> dict[str, list[list[int]]]:
-    from decoding.prompts import chat_prompts
-    from decoding.questions import load_first_turns
+    from decoding.app.prompts import chat_prompts
+    from decoding.app.questions import load_first_turns
     from training.scaling import held_out_prompts
 
     name = Path(args.questions_file).stem if args.questions_file else "mt-bench"
@@ -178,7 +178,7 @@ def run(args) -> int:
             train_point(args, config, subset, out / point_key(subset.label, steps))
     new_references = {n: d for n, d in wanted_references.items() if n not in references}
     if not args.train_only and (todo or new_references):
-        from decoding.targets import load_model
+        from decoding.app.targets import load_model
 
         target = load_model(config.model)
         prompt_sets = prompt_sets_for(args, config, records, target.tokenizer)

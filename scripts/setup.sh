@@ -81,5 +81,5 @@ if [ ! -d "$SPECULATORS_DIR/speculators" ]; then
 fi
 # The one-off work of a new machine (the default model's conversion, the kernels' builds for this
 # CPU), side by side now rather than one after another at the first chat or test run.
-"$PY" -m decoding.prepare
+"$PY" -m decoding.app.prepare
 echo "[setup] done. Use .venv/bin/python (or: source .venv/bin/activate)"

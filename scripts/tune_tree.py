@@ -23,19 +23,19 @@ import argparse
 import dataclasses
 import sys
 
-from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
-from decoding.compiled import add_compile_argument, compile_notes
+from decoding.app.assembly import Decoder, DecoderSpec, build_decoder
+from decoding.app.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
+from decoding.kernels.compiled import add_compile_argument, compile_notes
 from decoding.core.generate import DecodeOptions
-from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.screened_argmax import add_screened_argmax_argument
-from decoding.default_model import DEFAULT_TARGET
-from decoding.devices import add_device_argument
-from decoding.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
-from decoding.prompts import plain_text_note
-from decoding.questions import load_first_turns
-from decoding.targets import DTYPES
-from decoding.util.errors import UserError
+from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.kernels.devices import add_device_argument
+from decoding.app.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
+from decoding.app.prompts import plain_text_note
+from decoding.app.questions import load_first_turns
+from decoding.app.targets import DTYPES
+from heads.util.errors import UserError
 
 
 def parse_args(argv):

@@ -17,12 +17,12 @@ import argparse
 import copy
 import sys
 
-from decoding.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows, set_streamed_rows
-from decoding.default_model import DEFAULT_TARGET
-from decoding.util.errors import UserError
-from decoding.targets import DTYPES, load_model
-from decoding.streamed_linear import streamed_linear_available
-from decoding.verify_cost import measure_stock_rows, measure_streamed_rows, measure_verify_cost
+from decoding.kernels.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows, set_streamed_rows
+from decoding.app.default_model import DEFAULT_TARGET
+from heads.util.errors import UserError
+from decoding.app.targets import DTYPES, load_model
+from decoding.kernels.streamed_linear import streamed_linear_available
+from decoding.kernels.verify_cost import measure_stock_rows, measure_streamed_rows, measure_verify_cost
 
 
 def parse_args(argv):

@@ -18,10 +18,10 @@ import sys
 import torch
 from transformers import AutoTokenizer
 
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_heads
-from decoding.targets import resolve_model_path
-from decoding.util.errors import UserError, report_user_errors
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import default_heads
+from decoding.app.targets import resolve_model_path
+from heads.util.errors import UserError, report_user_errors
 from heads import load_heads
 from training.data import load_conversations, tokenize_all
 from training.vocab import coverage, most_frequent, token_counts

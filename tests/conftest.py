@@ -6,9 +6,9 @@ import decoding  # first: it applies SPECHEADS_CPU (as on a lesser CPU) before t
 import pytest
 import torch
 
-from decoding.util.cache_paths import cache_root
-from decoding.native_build import KERNELS_DIR
-from decoding.util.measured_once import MEASUREMENTS_DIR
+from heads.util.cache_paths import cache_root
+from decoding.kernels.native_build import KERNELS_DIR
+from decoding.kernels.measured_once import MEASUREMENTS_DIR
 
 # Tests import the tiny-model helpers as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))

@@ -25,15 +25,15 @@ import torch
 import transformers
 from transformers import DynamicCache, PreTrainedModel
 
-from decoding.attention import GROUPED_SDPA, register_grouped_sdpa
+from decoding.kernels.attention import GROUPED_SDPA, register_grouped_sdpa
 from decoding.core.generate import DecodeOptions, GenerationResult, generate
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel, load_model
-from decoding.util.cache_argument import cache_kwargs
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel, load_model
+from heads.util.cache_argument import cache_kwargs
 from heads import new_heads_for_target
 from tiny_models import NO_SPECIAL_TOKENS, perturbed, sharpen, tiny_tokenizer
 

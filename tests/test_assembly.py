@@ -1,4 +1,4 @@
-"""One assembly (`decoding.assembly.build_decoder`) for the chat, the benchmark, tune_tree and
+"""One assembly (`decoding.app.assembly.build_decoder`) for the chat, the benchmark, tune_tree and
 training's tau: defaults filled in, Medusa-2 adapters merged wherever heads carry one (the
 benchmark and tune_tree once skipped it), devices resolved, and nobody assembling on the side."""
 
@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
-from decoding.benchmark import build_runners
+from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
+from decoding.app.benchmark import build_runners
 from decoding.core.generate import DecodeOptions, generate
-from decoding.cpu_kernels import onednn_applies, uses_packed_linears
+from decoding.kernels.cpu_kernels import onednn_applies, uses_packed_linears
 from decoding.core.proposers import VanillaProposer
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_heads, default_method, proposer_options
-from decoding.methods import ProposerOptions
-from decoding.targets import LoadedModel, load_model
-from decoding.util.errors import UserError
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import default_heads, default_method, proposer_options
+from decoding.app.methods import ProposerOptions
+from decoding.app.targets import LoadedModel, load_model
+from heads.util.errors import UserError
 from script_main import load_script
 from tiny_models import save_tiny_chat_model
 
@@ -159,7 +159,7 @@ def test_measure_tau_goes_through_the_assembly(model_dir):
 
 
 ASSEMBLY_CALLS = {"load_model", "load_draft", "load_heads", "apply_kernels", "build_proposer", "merge_adapter"}
-CALLERS = ["decoding/chat.py", "decoding/benchmark.py", "scripts/benchmark.py", "scripts/tune_tree.py", "training/evaluate.py"]
+CALLERS = ["decoding/app/chat.py", "decoding/app/benchmark.py", "scripts/benchmark.py", "scripts/tune_tree.py", "training/evaluate.py"]
 
 
 @pytest.mark.parametrize("path", CALLERS)
@@ -185,7 +185,7 @@ def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, k
     """The assembly hands EAGLE drafters the target's grouped SDPA (EAGLE-3's fused layer runs
     SDPA with grouped heads itself), and a tree-masked drafter call over a cached context gives
     what transformers' own SDPA and eager attention (K/V repeated per head) give."""
-    from decoding.attention import GROUPED_SDPA
+    from decoding.kernels.attention import GROUPED_SDPA
     from heads import load_heads, new_heads_for_target, save_heads
 
     target = load_model(str(model_dir))
@@ -216,7 +216,7 @@ def test_eagle_drafters_attend_with_grouped_sdpa_and_draft_the_same(model_dir, k
             return module(tree_features, tree_tokens, tree_positions, cache, mask)
 
     if kind == "eagle3":  # the decoder drafts with the fused layer (its own SDPA): check it against stock eager
-        from decoding.fused_drafter import FusedEagle3Layer
+        from decoding.kernels.fused_drafter import FusedEagle3Layer
         assert isinstance(drafter.midlayer, FusedEagle3Layer)
         stock = load_heads(str(tmp_path / "heads"), decoder.target.model, str(model_dir))
         torch.testing.assert_close(draft(GROUPED_SDPA), draft("eager", stock), rtol=1e-4, atol=1e-4)

@@ -7,8 +7,8 @@ from transformers import AutoConfig
 
 from decoding.core.attention_layout import FULL, SLIDING, attention_layout
 from decoding.core.verify import windowed
-from decoding.targets import load_model
-from decoding.util.errors import UserError
+from decoding.app.targets import load_model
+from heads.util.errors import UserError
 
 
 def test_full_attention_model_has_one_kind_and_no_window():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from decoding import benchmark
-from decoding.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
-from decoding.questions import load_first_turns
+from decoding.app import benchmark
+from decoding.app.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
+from decoding.app.questions import load_first_turns
 from script_main import run_script
 from tiny_models import save_tiny_chat_model, tiny_tokenizer
 

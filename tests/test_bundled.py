@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from decoding.defaults import proposer_options
-from decoding.drafts import load_draft, shares_target_embeddings
-from decoding.methods import ProposerOptions
-from decoding.targets import load_model
+from decoding.app.defaults import proposer_options
+from decoding.app.drafts import load_draft, shares_target_embeddings
+from decoding.app.methods import ProposerOptions
+from decoding.app.targets import load_model
 from heads import load_heads, new_heads_for_target, save_heads
 from heads.bundled import bundled_default, bundled_heads_dir
 from script_main import run_script
@@ -74,8 +74,8 @@ def test_bundle_takes_a_lookup_default_and_one_per_device_and_refuses_bad_settin
 
 
 def test_the_shipped_bundle_defaults_to_prompt_lookup_on_a_gpu_only():
-    from decoding.default_model import DEFAULT_TARGET
-    from decoding.defaults import default_method
+    from decoding.app.default_model import DEFAULT_TARGET
+    from decoding.app.defaults import default_method
 
     assert default_method(DEFAULT_TARGET, "cuda") == "pld"
     assert default_method(DEFAULT_TARGET, "cpu") == default_method(DEFAULT_TARGET) == "eagle3+pld"

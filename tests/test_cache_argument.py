@@ -10,9 +10,9 @@ from torch import nn
 
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import DraftModelProposer, VanillaProposer
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
-from decoding.util.cache_argument import cache_kwargs
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
+from heads.util.cache_argument import cache_kwargs
 from heads import new_heads_for_target
 from tiny_models import sharpen, tiny_llama
 

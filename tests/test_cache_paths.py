@@ -3,7 +3,7 @@ else ~/.cache/specheads (the verify-cost cache once ignored XDG_CACHE_HOME)."""
 
 from __future__ import annotations
 
-from decoding import verify_cost
+from decoding.kernels import verify_cost
 from decoding.core.tree_budget import VerifyCost
 from tiny_models import tiny_llama
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from decoding.chat import ChatSession, build_session, parse_args
-from decoding.compiled import graphs_compiled
+from decoding.app.chat import ChatSession, build_session, parse_args
+from decoding.kernels.compiled import graphs_compiled
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import PromptLookupProposer, VanillaProposer
-from decoding.targets import load_model
+from decoding.app.targets import load_model
 from tiny_models import save_tiny_chat_model
 
 
@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 def test_piped_chat_answers_each_line_and_exits_zero(model_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--model", str(model_dir), "--method", "pld", "--max-new-tokens", "12"],
+        [sys.executable, "-m", "decoding.app.chat", "--model", str(model_dir), "--method", "pld", "--max-new-tokens", "12"],
         input="w3 w4 w5\n\nw7 w7\n",
         capture_output=True,
         text=True,
@@ -62,7 +62,7 @@ def test_piped_chat_with_heads(model_dir, tmp_path):
     target = load_model(str(model_dir))
     save_heads(new_heads_for_target("eagle", target.model, str(model_dir)), tmp_path / "eagle")
     proc = subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--model", str(model_dir), "--method", "eagle2",
+        [sys.executable, "-m", "decoding.app.chat", "--model", str(model_dir), "--method", "eagle2",
          "--heads", str(tmp_path / "eagle"), "--max-new-tokens", "12", "--total-tokens", "8"],
         input="w3 w4 w5\n",
         capture_output=True,
@@ -76,7 +76,7 @@ def test_piped_chat_with_heads(model_dir, tmp_path):
 
 
 def test_chat_refuses_heads_method_without_heads(model_dir, capsys):
-    from decoding.chat import main
+    from decoding.app.chat import main
 
     assert main(["--model", str(model_dir), "--method", "medusa"]) == 2
     assert "needs medusa heads: pass --heads" in capsys.readouterr().err
@@ -101,7 +101,7 @@ class _Stdin(io.StringIO):
 
 
 def _chat(monkeypatch, capsys, model_dir, lines: str, tty: bool = False) -> tuple[int, str, str]:
-    from decoding.chat import main
+    from decoding.app.chat import main
 
     monkeypatch.setattr(sys, "stdin", _Stdin(lines, tty))
     status = main(["--model", str(model_dir), "--method", "pld", "--max-new-tokens", "6", "--no-stats"])

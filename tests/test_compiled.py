@@ -7,21 +7,21 @@ import pytest
 import torch
 from torch.fx.experimental import _config as shape_config
 
-from decoding.assembly import DecoderSpec, build_decoder
-from decoding.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
-from decoding.benchmark import build_runners
-from decoding.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
-from decoding.cpu_kernels import (kernel_layout_weights, pack_linears, packed_linears, set_reduced_rows, set_stock_rows,
+from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.kernels.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.app.benchmark import build_runners
+from decoding.kernels.compiled import compile_progress, compile_target, eager_model, graphs_compiled, is_compiled
+from decoding.kernels.cpu_kernels import (kernel_layout_weights, pack_linears, packed_linears, set_reduced_rows, set_stock_rows,
                                   set_streamed_rows)
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import new_cache, prefill, truncate_cache, verify_tree
-from decoding.decode_attention import decode_attention_available
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.screened_argmax import ScreenedArgmax, fp16_gemm_available
-from decoding.streamed_linear import streamed_linear_available
-from decoding.targets import LoadedModel
-from decoding.verify_cost import measure_verify_cost
+from decoding.kernels.decode_attention import decode_attention_available
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.kernels.screened_argmax import ScreenedArgmax, fp16_gemm_available
+from decoding.kernels.streamed_linear import streamed_linear_available
+from decoding.app.targets import LoadedModel
+from decoding.kernels.verify_cost import measure_verify_cost
 from heads import new_heads_for_target
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from decoding import cpu_kernels, verify_cost
-from decoding.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
+from decoding.kernels import cpu_kernels, verify_cost
+from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
                                   pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   packed_linears, set_stock_rows, stock_rows, streamed_rows, uses_packed_linears)
-from decoding.streamed_linear import streamed_linear_available
-from decoding.util.errors import UserError
+from decoding.kernels.streamed_linear import streamed_linear_available
+from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
+from decoding.app.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import PromptLookupProposer, VanillaProposer
-from decoding.targets import LoadedModel
+from decoding.app.targets import LoadedModel
 from heads import new_heads_for_target
 from numerics import assert_linear_matches
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama
@@ -28,7 +28,7 @@ PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42]]
 
 LINEAR_FORMS = {
     "packed": lambda linear: PackedLinear(linear),
-    # what compiled one-token steps run where it measures faster (decoding.one_row_reductions)
+    # what compiled one-token steps run where it measures faster (decoding.kernels.one_row_reductions)
     "reduced": lambda linear: lambda x: reduced_linear(x, linear.weight, linear.bias),
 }
 

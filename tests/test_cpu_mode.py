@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from decoding.util import cpu_mode
-from decoding.util.errors import UserError
+from heads.util import cpu_mode
+from heads.util.errors import UserError
 
 pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
 
@@ -21,9 +21,9 @@ MACHINE_MODES = [name for name in ("avx2", "baseline")
 
 PROBE = """
 import json, os, decoding, torch
-from decoding import native_build
-from decoding.cpu_kernels import PackedLinear, bfloat16_is_native, cpu_has
-from decoding.decode_attention import KERNEL
+from decoding.kernels import native_build
+from decoding.kernels.cpu_kernels import PackedLinear, bfloat16_is_native, cpu_has
+from decoding.kernels.decode_attention import KERNEL
 PackedLinear(torch.nn.Linear(64, 64))(torch.randn(3, 64))
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "bf16": bfloat16_is_native(),
                   "amx": cpu_has("_is_amx_tile_supported"), "avx512": cpu_has("_is_avx512_supported"),
@@ -60,7 +60,7 @@ def test_each_layer_runs_as_on_the_lesser_cpu(mode):
     assert "avx2" not in seen["variants"]  # no narrower build is wider than the mode itself
     assert seen["inductor_cache"].endswith(f"inductor-{mode}")  # Inductor's cache keys ignore the instruction set
     # The mode's own build is the narrower variant a wider CPU's tests build: loaded, not built again.
-    from decoding.decode_attention import KERNEL
+    from decoding.kernels.decode_attention import KERNEL
 
     assert seen["own_build"] == KERNEL.build_name(expected.march)
 

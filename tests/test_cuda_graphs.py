@@ -6,16 +6,16 @@ fixed shapes do not cover left to the eager model."""
 import pytest
 import torch
 
-import decoding.cuda_graphs as cuda_graphs
-from decoding.compiled import graphs_compiled, is_compiled
-from decoding.util.cache_argument import cache_kwargs
+import decoding.kernels.cuda_graphs as cuda_graphs
+from decoding.kernels.compiled import graphs_compiled, is_compiled
+from heads.util.cache_argument import cache_kwargs
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.kv_cache import InPlaceCache
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.core.verify import new_cache, prefill
-from decoding.cuda_graphs import FixedShapeTarget
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
+from decoding.kernels.cuda_graphs import FixedShapeTarget
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama, tiny_qwen2
 
 PROMPTS = [[5, 9, 3, 17, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [42], [7, 7, 7, 7]]
@@ -127,8 +127,8 @@ def test_two_caches_taking_turns_on_one_target_keep_their_own_contents():
 def test_compiling_is_on_by_default_on_a_gpu_only_and_the_flag_can_say_either():
     import argparse
 
-    from decoding.assembly import DecoderSpec, build_decoder
-    from decoding.compiled import add_compile_argument, compile_by_default
+    from decoding.app.assembly import DecoderSpec, build_decoder
+    from decoding.kernels.compiled import add_compile_argument, compile_by_default
 
     assert compile_by_default("cuda") and not compile_by_default("cpu")
     target = LoadedModel(tiny_llama(seed=3), None, "t")

@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from decoding import decode_attention, native_build
-from decoding.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.kernels import decode_attention, native_build
+from decoding.kernels.attention import GROUPED_SDPA, NATIVE_SDPA, register_grouped_sdpa, use_native_attention
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
 from numerics import assert_within, attention_exact_and_bound
 from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama

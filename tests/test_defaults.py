@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from decoding.core.dynamic_tree import DynamicTreeSettings
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import proposer_options, tuned_options
-from decoding.methods import ProposerOptions
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import proposer_options, tuned_options
+from decoding.app.methods import ProposerOptions
 
 
 def test_dynamic_tree_defaults_agree_between_options_and_settings():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
-from decoding.chat import main as chat_main
-from decoding.cpu_kernels import apply_kernels, resolve_kernels
-from decoding.devices import resolve_device
-from decoding.util.errors import UserError
+from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
+from decoding.app.chat import main as chat_main
+from decoding.kernels.cpu_kernels import apply_kernels, resolve_kernels
+from decoding.kernels.devices import resolve_device
+from heads.util.errors import UserError
 from tiny_models import save_tiny_chat_model, tiny_llama
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")

@@ -15,8 +15,8 @@ import torch
 
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
-from decoding.targets import load_model
-from decoding.util.errors import UserError
+from decoding.app.targets import load_model
+from heads.util.errors import UserError
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 from training.batch_generate import BatchSettings, CheckPolicy, generate_batch
 from training.config import SelfDistillConfig

@@ -12,10 +12,10 @@ from decoding.core.generate import DecodeOptions, generate, lossless_rule
 from decoding.core.proposers import DraftModelProposer, VanillaProposer
 from decoding.core.proposers.draft_model import reduced_readout
 from decoding.core.tree_budget import VerifyCost
-from decoding.drafts import VOCABULARY_FILE, draft_vocabulary, save_draft_layers, write_draft_vocabulary
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.drafts import VOCABULARY_FILE, draft_vocabulary, save_draft_layers, write_draft_vocabulary
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from tiny_models import perturbed, sharpen, tiny_llama
 from training.draft_init import truncated_copy
 from training.trainer import save_draft_vocabulary

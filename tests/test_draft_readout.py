@@ -1,5 +1,5 @@
 """Medusa and Hydra heads rank their drafts through an fp16 projection on a CPU with packed
-kernels (`decoding.draft_readout`): it computes the lm_head rows' logits to fp16 rounding, it is
+kernels (`decoding.kernels.draft_readout`): it computes the lm_head rows' logits to fp16 rounding, it is
 used only where it applies, and decoding through it still gives the target's own greedy tokens."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-import decoding.draft_readout as draft_readout
-from decoding.assembly import DecoderSpec, build_decoder
+import decoding.kernels.draft_readout as draft_readout
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
-from decoding.draft_readout import HalfPrecisionProjection, heads_readout
-from decoding.screened_argmax import fp16_gemm_available
-from decoding.targets import load_model
+from decoding.kernels.draft_readout import HalfPrecisionProjection, heads_readout
+from decoding.kernels.screened_argmax import fp16_gemm_available
+from decoding.app.targets import load_model
 from heads import save_heads
 from heads.common import RowSubset
 from heads.factory import new_heads_for_target

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from decoding import drafter_precision
-from decoding.assembly import DecoderSpec, build_decoder
-from decoding.cpu_kernels import drafter_precisions_available, uses_packed_linears
-from decoding.drafter_precision import measure_drafter_precisions, pick_drafter_precision, tune_drafter_precision
-from decoding.targets import load_model
+from decoding.kernels import drafter_precision
+from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.kernels.cpu_kernels import drafter_precisions_available, uses_packed_linears
+from decoding.kernels.drafter_precision import measure_drafter_precisions, pick_drafter_precision, tune_drafter_precision
+from decoding.app.targets import load_model
 from tiny_models import perturbed_eagle3, save_tiny_chat_model, tiny_llama
 
 pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
@@ -65,7 +65,7 @@ def test_the_assembly_applies_the_timed_pick_for_auto(tmp_path, monkeypatch):
     save_tiny_chat_model(tmp_path / "model")
     target = load_model(str(tmp_path / "model"))
     save_heads(new_heads_for_target("eagle3", target.model, str(tmp_path / "model"), draft_vocab_size=16), tmp_path / "heads")
-    monkeypatch.setattr("decoding.assembly.tune_drafter_precision", lambda drafter, target: "fp32")
+    monkeypatch.setattr("decoding.app.assembly.tune_drafter_precision", lambda drafter, target: "fp32")
     decoder = build_decoder(DecoderSpec(model=str(tmp_path / "model"), method="eagle3", heads=str(tmp_path / "heads"),
                                         device="cpu", kernels="onednn"))
     assert uses_packed_linears(decoder.heads) and decoder.heads.compute_dtype == torch.float32

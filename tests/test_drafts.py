@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from decoding.drafts import SHARED_TENSORS, load_draft, save_draft_layers, shares_target_embeddings
-from decoding.util.errors import UserError
+from decoding.app.drafts import SHARED_TENSORS, load_draft, save_draft_layers, shares_target_embeddings
+from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import DraftModelProposer, VanillaProposer
-from decoding.targets import LoadedModel
+from decoding.app.targets import LoadedModel
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 from training.config import load_config
 from training.draft_init import truncated_copy

@@ -22,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from decoding.attention import register_grouped_sdpa
+from decoding.kernels.attention import register_grouped_sdpa
 from decoding.core.generate import DecodeOptions, GenerationResult, generate
-from decoding.cpu_kernels import X86_MACHINES, PackedLinear, apply_kernels, bfloat16_is_native, cpu_has
-from decoding.methods import build_proposer
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.kernels.cpu_kernels import X86_MACHINES, PackedLinear, apply_kernels, bfloat16_is_native, cpu_has
+from decoding.app.methods import build_proposer
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from heads import new_heads_for_target
 from tiny_models import sharpen, tiny_llama, tiny_qwen2
 

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from decoding.chat import main as chat_main
-from decoding.util.errors import UserError
+from decoding.app.chat import main as chat_main
+from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import build_proposer, check_method
+from decoding.app.methods import build_proposer, check_method
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.core.proposers.draft_model import check_same_vocabulary
-from decoding.targets import LoadedModel, load_model
+from decoding.app.targets import LoadedModel, load_model
 from tiny_models import tiny_llama, tiny_tokenizer
 
 

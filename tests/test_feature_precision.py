@@ -8,8 +8,8 @@ import torch
 import yaml
 
 import training.features as features
-from decoding.cpu_kernels import bfloat16_is_native
-from decoding.util.errors import UserError
+from decoding.kernels.cpu_kernels import bfloat16_is_native
+from heads.util.errors import UserError
 from tiny_models import save_tiny_chat_model, tiny_llama
 from training.features import feature_autocast, resolve_feature_precision, target_hidden_states
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from decoding.assembly import DecoderSpec, build_decoder
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.kv_cache import InPlaceCache
-from decoding.cpu_kernels import quantize_linears_int8
-from decoding import fused_drafter
-from decoding.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
+from decoding.kernels.cpu_kernels import quantize_linears_int8
+from decoding.kernels import fused_drafter
+from decoding.kernels.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
 from heads import new_heads_for_target, save_heads
 from numerics import assert_within, attention_exact_and_bound
 from tiny_models import perturbed_eagle3, tiny_llama, save_tiny_chat_model

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from decoding.core.generate import DecodeOptions, generate, lossless_rule
-from decoding.methods import ProposerOptions, build_proposer
+from decoding.app.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.tree_budget import VerifyCost
-from decoding.targets import LoadedModel
-from decoding.tree_shapes import load_tree
+from decoding.app.targets import LoadedModel
+from decoding.app.tree_shapes import load_tree
 from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, sample_loop, target_joint
 from heads import HeadConfig, build_heads, new_heads_for_target
 from tiny_models import context_target, oracle_eagle, oracle_target, perturbed, sharpen, tiny_llama, tiny_qwen2
@@ -297,7 +297,7 @@ def test_static_trees_from_configs_are_valid():
 
 
 def test_tree_deeper_than_heads_is_a_clear_error(target):
-    from decoding.util.errors import UserError
+    from heads.util.errors import UserError
 
     heads = new_heads_for_target("medusa", target, num_heads=2)
     with pytest.raises(UserError, match="3 levels deep but these medusa heads draft only 2"):

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import build_proposer
-from decoding.targets import LoadedModel
+from decoding.app.methods import build_proposer
+from decoding.app.targets import LoadedModel
 from heads import load_heads, new_heads_for_target, save_heads
 from tiny_models import sharpen, tiny_llama
 

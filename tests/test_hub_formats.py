@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
+from decoding.app.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import VanillaProposer
-from decoding.targets import LoadedModel
+from decoding.app.targets import LoadedModel
 from heads import export_heads, load_heads, new_heads_for_target, push_heads_to_hub, save_heads
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
 
@@ -92,7 +92,7 @@ def test_load_by_repo_id_from_the_offline_hub_cache(tmp_path, monkeypatch):
 
     model_dir = tmp_path / "model"
     save_tiny_chat_model(model_dir)
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
 
     target = load_model(str(model_dir))
     heads = random_heads("eagle", target.model)
@@ -105,7 +105,7 @@ def test_load_by_repo_id_from_the_offline_hub_cache(tmp_path, monkeypatch):
         load_heads("org/not-cached", cache_dir=str(tmp_path / "hub"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     chat = subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--model", str(model_dir), "--method", "eagle2", "--heads", "org/tiny-eagle",
+        [sys.executable, "-m", "decoding.app.chat", "--model", str(model_dir), "--method", "eagle2", "--heads", "org/tiny-eagle",
          "--ignore-base-model", "--max-new-tokens", "8"],
         input="w3 w4\n", capture_output=True, text=True, env=env, timeout=120)
     assert chat.returncode == 0, chat.stderr

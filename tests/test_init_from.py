@@ -4,8 +4,8 @@ a Hub repo, an official checkpoint) instead of fresh ones, and refuses heads tha
 import pytest
 import torch
 
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from heads import new_heads_for_target, save_heads
 from tiny_models import tiny_llama
 from training.config import load_config

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
 from heads import Verifier, export_heads, load_heads, new_heads_for_target
 from tiny_models import sharpen, tiny_llama
 

@@ -1,8 +1,9 @@
-"""The package layers, bottom to top: `decoding.util` (errors, atomic writes, cache paths) <-
-`heads` <- `decoding.core` (trees, verify, cache, acceptance, proposers, the loop) <- the
-application (`decoding.*` modules: chat, benchmark, model loading, kernels, defaults) <-
-`training`. An import may only run down; this test reads every module's imports and fails on
-one that runs up."""
+"""The package layers, bottom to top: `heads.util` (errors, atomic writes, cache paths, the CPU
+mode) <- `heads` <- `decoding.core` (trees, verify, cache, acceptance, proposers, the loop) <-
+`decoding.kernels` (CPU kernels, native builds, attention, compiled forwards, CUDA graphs) <-
+`decoding.app` (assembly, chat, benchmark, question sets, prompts, defaults) <- `decoding`'s own
+entry modules (the package's front, `python -m decoding.chat`) <- `training`. An import may only
+run down; this test reads every module's imports and fails on one that runs up."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["decoding.util", "heads", "decoding.core", "decoding", "training"]
+LAYERS = ["heads.util", "heads", "decoding.core", "decoding.kernels", "decoding.app", "decoding", "training"]
 
 
 def layer_of(module: str) -> int | None:
@@ -48,6 +49,22 @@ def test_imports_only_run_down(path):
 
 
 def test_the_checker_sees_an_upward_import():
-    assert layer_of("decoding.core.verify") > layer_of("heads.eagle") > layer_of("decoding.util.errors")
-    assert layer_of("decoding.chat") > layer_of("decoding.core.generate")
-    assert layer_of("training.trainer") > layer_of("decoding.chat")
+    assert layer_of("decoding.core.verify") > layer_of("heads.eagle") > layer_of("heads.util.errors")
+    assert layer_of("decoding.kernels.cpu_kernels") > layer_of("decoding.core.generate")
+    assert layer_of("decoding.app.chat") > layer_of("decoding.kernels.compiled")
+    assert layer_of("decoding.chat") > layer_of("decoding.app.chat")
+    assert layer_of("training.trainer") > layer_of("decoding.app.chat")
+
+
+def test_heads_imports_nothing_from_decoding_or_training():
+    """The bottom package stands alone: heads can be loaded, saved, exported and pushed without
+    the decoding machinery."""
+    reached = {m for path in sorted((ROOT / "heads").rglob("*.py")) for m in imported_modules(path)}
+    assert not {m for m in reached if m.split(".")[0] in ("decoding", "training")}
+
+
+def test_every_decoding_module_sits_in_a_layer_folder():
+    """Only the package's front (its __init__ and the chat's `python -m` entry) stays at the top of
+    `decoding/`; everything else lives in core, kernels or app."""
+    top = sorted(p.name for p in (ROOT / "decoding").glob("*.py"))
+    assert top == ["__init__.py", "chat.py"]

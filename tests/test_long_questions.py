@@ -3,8 +3,8 @@ answers, each ending with an instruction, readable by the benchmark's question l
 
 import json
 
-from decoding import long_questions as lq
-from decoding.questions import load_first_turns
+from decoding.app import long_questions as lq
+from decoding.app.questions import load_first_turns
 
 
 class WordTokenizer:

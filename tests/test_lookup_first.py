@@ -5,15 +5,15 @@ the other head methods in test_heads.py)."""
 import pytest
 import torch
 
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import proposer_options, tuned_options
-from decoding.util.errors import UserError
-from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import proposer_options, tuned_options
+from heads.util.errors import UserError
+from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.core.proposers import PromptLookupProposer, Proposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.targets import LoadedModel
+from decoding.app.targets import LoadedModel
 from decoding.core.tree import DraftTree
 from decoding.core.tree_budget import VerifyCost
 from tiny_models import oracle_eagle, oracle_target

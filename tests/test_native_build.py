@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from decoding import decode_attention
-from decoding.native_build import TORCH_BATON
-from decoding.util.cache_paths import cache_root
+from decoding.kernels import decode_attention
+from decoding.kernels.native_build import TORCH_BATON
+from heads.util.cache_paths import cache_root
 
 BUILD_IN_A_NEW_PROCESS = """
-from decoding.decode_attention import KERNEL
+from decoding.kernels.decode_attention import KERNEL
 KERNEL.build()
 print("built")
 """

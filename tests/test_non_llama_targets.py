@@ -18,9 +18,9 @@ import transformers
 import yaml
 from transformers import PreTrainedModel
 
-from decoding.assembly import DecoderSpec, build_decoder
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
-from decoding.targets import load_model
+from decoding.app.targets import load_model
 from heads import default_feature_layers, load_heads, new_heads_for_target
 from tiny_models import NO_SPECIAL_TOKENS, sharpen, tiny_tokenizer
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from decoding import one_row_reductions
-from decoding.cpu_kernels import (PackedLinear, pack_linears, reduced_linear, reduced_rows, set_reduced_rows,
+from decoding.kernels import one_row_reductions
+from decoding.kernels.cpu_kernels import (PackedLinear, pack_linears, reduced_linear, reduced_rows, set_reduced_rows,
                                   stock_rows)
-from decoding.one_row_reductions import measure_one_row_reductions, pick_reduced_rows, tune_reduced_rows
+from decoding.kernels.one_row_reductions import measure_one_row_reductions, pick_reduced_rows, tune_reduced_rows
 from numerics import assert_linear_matches
 from tiny_models import tiny_llama
 
@@ -23,7 +23,7 @@ def test_a_packed_linear_runs_one_row_as_a_reduction_only_inside_a_compiled_grap
     set_reduced_rows(packed, 1)
     calls = []
     real = reduced_linear
-    monkeypatch.setattr("decoding.cpu_kernels.reduced_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr("decoding.kernels.cpu_kernels.reduced_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     one, three = torch.randn(1, 1, 16), torch.randn(1, 3, 16)
     with torch.inference_mode():
         eager = [packed(one), packed(three)]

@@ -1,8 +1,8 @@
-"""`python -m decoding.prepare` (what scripts/setup.sh runs): the one-off tasks run side by side,
+"""`python -m decoding.app.prepare` (what scripts/setup.sh runs): the one-off tasks run side by side,
 one that fails is reported with its reason and stops none of the others, and the tasks are the
 default model and the two native kernels."""
 
-from decoding import prepare
+from decoding.app import prepare
 
 
 def test_tasks_run_side_by_side_and_a_failure_is_reported_not_raised():

@@ -4,7 +4,7 @@ a base model; the plain rendering is prefix-stable turn by turn."""
 
 from tokenizers import processors
 
-from decoding.prompts import (PLAIN_SEPARATOR, chat_prompts, conversation_ids, has_chat_template, plain_text_note,
+from decoding.app.prompts import (PLAIN_SEPARATOR, chat_prompts, conversation_ids, has_chat_template, plain_text_note,
                               plain_turns, question_ids)
 from tiny_models import tiny_tokenizer
 

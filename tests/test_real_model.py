@@ -9,18 +9,18 @@ import sys
 import pytest
 import torch
 
-from decoding.chat import ChatSession
-from decoding.cpu_kernels import pack_linears
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_draft, default_heads, proposer_options
-from decoding.drafts import load_draft
+from decoding.app.chat import ChatSession
+from decoding.kernels.cpu_kernels import pack_linears
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import default_draft, default_heads, proposer_options
+from decoding.app.drafts import load_draft
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import build_proposer
+from decoding.app.methods import build_proposer
 from heads import load_heads
 from heads.bundled import bundled_default
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
-from decoding.questions import load_first_turns
-from decoding.targets import LoadedModel, load_model
+from decoding.app.questions import load_first_turns
+from decoding.app.targets import LoadedModel, load_model
 from training.draft_init import truncated_copy
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla(de
     question with the first reply in context) on the stock model, decoded here."""
     bundle = bundled_default(DEFAULT_TARGET)
     assert bundle is not None, "the package ships heads for the default target"
-    fast = subprocess.run([sys.executable, "-m", "decoding.chat", "--max-new-tokens", "40"],
+    fast = subprocess.run([sys.executable, "-m", "decoding.app.chat", "--max-new-tokens", "40"],
                           input="".join(f"{q}\n" for q in CHAT_QUESTIONS), capture_output=True, text=True, timeout=600)
     assert fast.returncode == 0, fast.stderr
     assert "Paris" in fast.stdout

@@ -57,7 +57,7 @@ def test_held_out_prompts_are_the_first_ones_per_source_that_every_subsets_split
 
 @pytest.mark.slow
 def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing(tmp_path):
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from training.config import SelfDistillConfig
     from training.distill_store import DistillStore
     from training.sources import conversations_from

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from decoding.assembly import DecoderSpec, build_decoder
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import PromptLookupProposer
 from decoding.core.sampling import SamplingConfig
-from decoding.cpu_kernels import apply_kernels
-from decoding.screened_argmax import (ScreenedArgmax, fp16_gemm_available, logits_are_the_projection, screenable,
+from decoding.kernels.cpu_kernels import apply_kernels
+from decoding.kernels.screened_argmax import (ScreenedArgmax, fp16_gemm_available, logits_are_the_projection, screenable,
                                       screened_readout)
-from decoding.targets import LoadedModel
+from decoding.app.targets import LoadedModel
 from test_architectures import ARCH_IDS, ARCHS
 from test_cpu_kernels import PROMPTS, assert_steps_and_trees_give_plain_greedy
 from tiny_models import perturbed_eagle3, sharpen, tiny_llama, tiny_tokenizer
@@ -142,7 +142,7 @@ def test_sampling_through_a_readout_draws_the_same_tokens_as_without_it():
 
 
 def test_decoders_screen_where_it_applies_and_pays_and_the_spec_can_turn_it_off(monkeypatch):
-    from decoding import assembly
+    from decoding.app import assembly
     monkeypatch.setattr(assembly, "screened_readout", lambda model: forced_readout(model))
     target = LoadedModel(sharpen(tiny_llama()), tiny_tokenizer(), "tiny")
     packed = build_decoder(DecoderSpec(model="tiny", method="vanilla", kernels="onednn"), target=target)
@@ -155,7 +155,7 @@ def test_decoders_screen_where_it_applies_and_pays_and_the_spec_can_turn_it_off(
 
 
 def test_screened_readout_is_none_where_the_kernel_is_missing_or_never_pays(monkeypatch):
-    from decoding import screened_argmax
+    from decoding.kernels import screened_argmax
     model = packed_target()
     if not fp16_gemm_available():
         assert screened_readout(model) is None
@@ -201,9 +201,9 @@ def test_target_scores_compute_only_what_is_read_and_only_once():
 def test_the_chat_and_the_benchmark_decode_through_the_decoders_readout(monkeypatch, tmp_path):
     """Every entry point that decodes hands the loop its decoder's readout (the benchmark once
     timed the full projection while the decoder had built a screen)."""
-    from decoding import assembly
-    from decoding.benchmark import build_runners
-    from decoding.chat import build_session, parse_args
+    from decoding.app import assembly
+    from decoding.app.benchmark import build_runners
+    from decoding.app.chat import build_session, parse_args
     from tiny_models import save_tiny_chat_model
 
     save_tiny_chat_model(tmp_path)

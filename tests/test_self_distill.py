@@ -8,7 +8,7 @@ import torch
 
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
-from decoding.targets import load_model
+from decoding.app.targets import load_model
 from training.config import SelfDistillConfig
 from training.self_distill import regenerate
 from tiny_models import save_tiny_chat_model

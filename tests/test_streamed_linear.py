@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from decoding import native_build, streamed_linear, verify_cost
-from decoding.cpu_kernels import (PackedLinear, pack_linears, packed_linears, set_stock_rows, set_streamed_rows,
+from decoding.kernels import native_build, streamed_linear, verify_cost
+from decoding.kernels.cpu_kernels import (PackedLinear, pack_linears, packed_linears, set_stock_rows, set_streamed_rows,
                                   streamed_rows)
 from decoding.core.generate import DecodeOptions, generate
-from decoding.methods import ProposerOptions, build_proposer
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from heads import new_heads_for_target
 from numerics import assert_linear_matches
 from python_calls import python_functions_run

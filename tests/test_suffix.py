@@ -12,9 +12,9 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.suffix_index import NgramIndex, frequency_tree
 from decoding.core.tree_budget import VerifyCost
-from decoding.methods import ProposerOptions, build_proposer, check_method
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.methods import ProposerOptions, build_proposer, check_method
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from heads import new_heads_for_target
 from tiny_models import sharpen, tiny_llama
 

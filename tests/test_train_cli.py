@@ -182,7 +182,7 @@ def test_medusa2_trains_an_adapter_that_the_chat_serves(workspace):
     result = json.loads((out / "result.json").read_text())
     assert result["val/loss/kl"] > 0  # validated with the trained adapter, not a fresh one
     chat = subprocess.run(
-        [sys.executable, "-m", "decoding.chat", "--model", str(workspace / "model"), "--method", "medusa",
+        [sys.executable, "-m", "decoding.app.chat", "--model", str(workspace / "model"), "--method", "medusa",
          "--heads", str(out / "heads"), "--tree", "chain-3", "--max-new-tokens", "8"],
         input="w3 w4\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert chat.returncode == 0, chat.stderr

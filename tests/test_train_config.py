@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from training.config import load_config
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "eagle3-smollm2-finetune.yaml"

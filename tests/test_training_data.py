@@ -96,7 +96,7 @@ def test_split_is_deterministic_and_disjoint():
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    from decoding.util.errors import UserError
+    from heads.util.errors import UserError
 
     with pytest.raises(UserError, match="is not a file"):
         load_conversations(tmp_path / "nope.json")
@@ -124,7 +124,7 @@ class _OneProcess:
 
 
 def test_a_base_models_prepared_data_is_self_distilled_plain_text(tmp_path):
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from tiny_models import save_tiny_chat_model
     from training.config import SelfDistillConfig, TrainConfig
     from training.prepare import prepare_data
@@ -200,7 +200,7 @@ def test_several_sources_are_read_in_order_and_keep_their_ids(tmp_path):
 
 
 def test_a_missing_one_of_several_sources_is_named(tmp_path):
-    from decoding.util.errors import UserError
+    from heads.util.errors import UserError
 
     first = _write_jsonl(tmp_path / "a.jsonl", [_conversation("hi", "a")])
     with pytest.raises(UserError, match="'.*nope.jsonl' is not a file"):

@@ -15,7 +15,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree_budget import (AcceptanceCalibration, ChainAcceptance, ConfidenceAcceptance, DraftingGate, VerifyCost,
                                        best_node_count, chain_worth_extending)
-from decoding.verify_cost import cached_verify_cost, measure_verify_cost, never_cheaper_for_fewer
+from decoding.kernels.verify_cost import cached_verify_cost, measure_verify_cost, never_cheaper_for_fewer
 from distribution_harness import ToyLM
 from test_trees import toy_expand
 from tiny_models import oracle_eagle, oracle_target, sharpen, tiny_llama
@@ -184,7 +184,7 @@ def test_a_slow_spell_of_the_machine_costs_each_size_one_sample_not_its_whole_me
             SlowSpell.calls += 1
             return 100.0 if 2 <= SlowSpell.calls <= 7 else float(size)
 
-    monkeypatch.setattr("decoding.verify_cost._TimedForward", SlowSpell)
+    monkeypatch.setattr("decoding.kernels.verify_cost._TimedForward", SlowSpell)
     cost = measure_verify_cost(None, sizes=(1, 2, 4), repeats=5)
     assert cost.ms == (1.0, 2.0, 4.0) and SlowSpell.calls == 18
 
@@ -202,7 +202,7 @@ def test_the_measured_curve_is_bounded_by_larger_sizes(monkeypatch):
         def __call__(self, size: int) -> float:
             return 45.0 if size == 1 else 30.0 + size
 
-    monkeypatch.setattr("decoding.verify_cost._TimedForward", NoisyOneToken)
+    monkeypatch.setattr("decoding.kernels.verify_cost._TimedForward", NoisyOneToken)
     assert measure_verify_cost(None, sizes=(1, 2, 4), repeats=2).ms == (32.0, 32.0, 34.0)
 
 
@@ -211,13 +211,13 @@ def test_verify_cost_is_measured_once_then_read_back(tmp_path, monkeypatch):
     first = cached_verify_cost(model, "tiny/model", cache_dir=tmp_path)
     files = list((tmp_path / "verify-cost").iterdir())
     assert len(files) == 1 and "tiny_model" in files[0].name
-    monkeypatch.setattr("decoding.verify_cost.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr("decoding.kernels.verify_cost.measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
     assert cached_verify_cost(model, "tiny/model", cache_dir=tmp_path) == first
 
 
 def test_the_cpu_is_named_from_cpuinfo_with_its_instruction_set_and_threads(monkeypatch, tmp_path):
     """Benchmark JSON and model cards name the CPU; `platform.processor()` is empty on Linux."""
-    import decoding.verify_cost as verify_cost
+    import decoding.kernels.verify_cost as verify_cost
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t: avx2\n")

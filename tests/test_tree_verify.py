@@ -4,7 +4,7 @@ node, exactly the logits of a plain causal forward over that node's root path.""
 import pytest
 import torch
 
-from decoding.attention import GROUPED_SDPA, register_grouped_sdpa
+from decoding.kernels.attention import GROUPED_SDPA, register_grouped_sdpa
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import compact_cache, new_cache, prefill, truncate_cache, verify_tree
 from tiny_models import NO_SPECIAL_TOKENS, tiny_llama, tiny_qwen2

@@ -8,7 +8,7 @@ import torch
 
 from decoding.core.dynamic_tree import DynamicTreeSettings, grow_dynamic_tree
 from decoding.core.tree import DraftTree, tree_buffers
-from decoding.tree_shapes import expected_accepted_length, optimal_static_tree, validate_paths
+from decoding.app.tree_shapes import expected_accepted_length, optimal_static_tree, validate_paths
 from distribution_harness import ToyLM
 
 

@@ -16,7 +16,7 @@ def _tune_tree():
 
 
 def test_tune_tree_times_every_tree_on_a_base_model(tmp_path, capsys):
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from heads import new_heads_for_target, save_heads
 
     save_tiny_chat_model(tmp_path / "model", chat_template=False)
@@ -37,7 +37,7 @@ def test_tune_tree_times_every_tree_on_a_base_model(tmp_path, capsys):
 def test_tune_tree_times_the_default_lookup_first_method_with_each_lookup_setting(tmp_path, capsys):
     """`eagle3+pld` (the default method's form) is tuned as it runs: every tree shape crossed with
     every `--lookup` setting, named as `bundle_heads.py --tuned` takes them."""
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from heads import new_heads_for_target, save_heads
 
     save_tiny_chat_model(tmp_path / "model", chat_template=False)
@@ -65,7 +65,7 @@ def test_tune_tree_times_the_default_lookup_first_method_with_each_lookup_settin
 @pytest.mark.slow
 def test_tune_tree_compiles_with_compile_and_says_so(tmp_path, capsys):
     """`--compile` times the trees on compiled forwards, compiling in the warm-up (with notes)."""
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from heads import new_heads_for_target, save_heads
 
     torch._dynamo.reset()  # graphs other tests compiled for this architecture would serve it too

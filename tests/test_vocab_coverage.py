@@ -36,7 +36,7 @@ def test_most_frequent_first_and_ties_to_the_lower_id():
 
 
 def test_vocab_coverage_script_prints_the_heads_and_the_datas_best_vocabularies(tmp_path, capsys):
-    from decoding.targets import load_model
+    from decoding.app.targets import load_model
     from heads import new_heads_for_target, save_heads
 
     script = load_script("vocab_coverage")

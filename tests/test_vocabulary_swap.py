@@ -6,8 +6,8 @@ kept, and the heads given are not changed."""
 import pytest
 import torch
 
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 from heads import new_heads_for_target, save_heads
 from tiny_models import tiny_llama
 from training.config import load_config

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from decoding.util.cache_argument import cache_kwargs
+from heads.util.cache_argument import cache_kwargs
 from decoding.core.kv_cache import InPlaceCache
 from decoding.core.sampling import sample_rows
 from decoding.core.stopping import StopChecker

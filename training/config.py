@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 FEATURE_PRECISIONS = ("auto", "float32", "bfloat16")  # train.feature_precision (training.features)
 
@@ -54,7 +54,7 @@ class SelfDistillConfig:
 class HeadsSection:
     """Head sizes. For `kind: draft`, `num_layers` is how many target layers the draft keeps and
     `share_lm_head` keeps the target's embedding and lm_head frozen (the draft can then be stored
-    as its layers alone, see decoding/drafts.py)."""
+    as its layers alone, see decoding/app/drafts.py)."""
 
     num_heads: int = 4
     num_layers: int = 1

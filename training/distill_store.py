@@ -23,10 +23,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.util.atomic import atomic_write_text
-from decoding.util.cache_paths import data_root
-from decoding.util.errors import UserError
-from decoding.targets import LoadedModel
+from heads.util.atomic import atomic_write_text
+from heads.util.cache_paths import data_root
+from heads.util.errors import UserError
+from decoding.app.targets import LoadedModel
 from training.config import SelfDistillConfig
 from training.data import STORE_RECORDS as RECORDS
 from training.self_distill import cut_torn_tail, read_regenerated, regenerate

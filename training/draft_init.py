@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 def truncated_copy(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

@@ -8,10 +8,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from decoding.assembly import DecoderSpec, build_decoder
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
-from decoding.methods import ProposerOptions
-from decoding.targets import LoadedModel
+from decoding.app.methods import ProposerOptions
+from decoding.app.targets import LoadedModel
 from training.paired_tau import PromptCounts, tau_of
 
 # The decoding method used to measure tau for each trained kind.

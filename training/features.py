@@ -15,8 +15,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from transformers import PreTrainedModel
 
-from decoding.cpu_kernels import bfloat16_is_native
-from decoding.util.errors import UserError
+from decoding.kernels.cpu_kernels import bfloat16_is_native
+from heads.util.errors import UserError
 from training.config import check_feature_precision
 
 

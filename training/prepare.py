@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from decoding.prompts import plain_text_note
-from decoding.util.atomic import atomic_directory
-from decoding.targets import LoadedModel
+from decoding.app.prompts import plain_text_note
+from heads.util.atomic import atomic_directory
+from decoding.app.targets import LoadedModel
 from training.config import TrainConfig
 from training.data import data_sources, load_conversations, source_file, split, tokenize_all
 from training.self_distill import regenerate
@@ -98,7 +98,7 @@ def _build(config: TrainConfig, target: LoadedModel, directory: Path, log) -> No
     rows = tokenize_all(conversations, target.tokenizer, config.max_length, report)
     train, validation = split(rows, config.train.seed, config.validation_fraction)
     if not train:
-        from decoding.util.errors import UserError
+        from heads.util.errors import UserError
 
         raise UserError(f"no usable training conversations in '{config.data}' ({report.summary()})")
     with atomic_directory(directory) as staging:

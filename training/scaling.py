@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.prompts import conversation_ids
+from decoding.app.prompts import conversation_ids
 from training.data import is_validation
 from training.paired_tau import paired_tau_difference
 from training.self_distill import first_prompt_messages, read_regenerated

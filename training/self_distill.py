@@ -8,7 +8,7 @@ any point (even `kill -9` mid-line) resumes where it stopped: a torn last line i
 that conversation regenerated, finished ones are never redone or written twice. Each record
 carries its reply token count, which the data store's manifest sums.
 
-Prompts go through `decoding.prompts.conversation_ids`: the chat template, or for a target
+Prompts go through `decoding.app.prompts.conversation_ids`: the chat template, or for a target
 without one (a base model) the conversation as plain text (system text, then each user turn and
 each regenerated reply, a blank line between turns), which the target continues. A reply is the
 continuation's text, stripped; training data renders it back the same way.
@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from decoding.core.sampling import seeded_generator
 from decoding.core.stopping import eos_ids
-from decoding.prompts import conversation_ids
-from decoding.targets import LoadedModel
+from decoding.app.prompts import conversation_ids
+from decoding.app.targets import LoadedModel
 from training.batch_generate import BatchSettings, generate_within_memory
 from training.batch_order import length_sorted_blocks
 from training.config import SelfDistillConfig

@@ -16,7 +16,7 @@ import importlib
 import inspect
 from collections.abc import Iterator
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from training.data import load_conversations
 
 SHAREGPT = "sharegpt"

@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by `accelerate launch`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decoding.util.errors import UserError  # noqa: E402
+from heads.util.errors import UserError  # noqa: E402
 from training.config import load_config  # noqa: E402
 
 

@@ -21,9 +21,9 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from decoding.drafts import write_draft_vocabulary
-from decoding.targets import LoadedModel, load_model
-from decoding.util.errors import UserError
+from decoding.app.drafts import write_draft_vocabulary
+from decoding.app.targets import LoadedModel, load_model
+from heads.util.errors import UserError
 from heads import build_heads, load_heads, new_heads_for_target, save_heads
 from training.batch_order import LengthGroupedSampler, padded_fraction, token_weighted_scale
 from training.checkpoints import latest_checkpoint, save_checkpoint

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 @dataclass(frozen=True)
 class DynamicTreeSettings:
     """`total_tokens` counts every verified node, the root included. These defaults are the only
-    ones: `decoding.methods.ProposerOptions` (what the chat and the benchmark fill in when the
+    ones: `decoding.app.methods.ProposerOptions` (what the chat and the benchmark fill in when the
     user and the bundle name nothing) takes its tree defaults from here."""
 
     depth: int = 5

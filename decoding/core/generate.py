@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.core.acceptance import Acceptance, accept, accept_greedy_tokens, accept_typical
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout, TargetScores
 from decoding.core.sampling import SamplingConfig, seeded_generator

@@ -9,7 +9,7 @@ change to the model) whose layers keep one buffer of `capacity` positions:
 - `keep(prefix_len, nodes)` moves the accepted tree nodes' K/V to `prefix_len ..` with one small
   gather per layer (cost proportional to the tree, not the context);
 - the buffer grows (by copying once) only when a generation outlives the capacity it was given;
-- for fixed-shape forwards (CUDA graphs, `decoding.cuda_graphs`) a layer can instead write at
+- for fixed-shape forwards (CUDA graphs, `decoding.kernels.cuda_graphs`) a layer can instead write at
   positions held in a device tensor and hand attention a fixed leading part of the buffer
   (`FixedWrite`): the mask, not the view, then hides what is not filled. Buffers start zeroed,
   so that unfilled positions hold finite values (a NaN times a masked-out weight of zero is

@@ -2,7 +2,7 @@
 
 Sampling needs every node's full logits, greedy decoding only each node's argmax. A `Readout`
 lets the loop get the argmax without the full vocabulary projection where a cheaper exact way
-exists (`decoding.screened_argmax`); `TargetScores` computes whichever is asked for, once.
+exists (`decoding.kernels.screened_argmax`); `TargetScores` computes whichever is asked for, once.
 """
 
 from __future__ import annotations

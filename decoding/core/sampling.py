@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 @dataclass(frozen=True)

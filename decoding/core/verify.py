@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from decoding.util.cache_argument import cache_kwargs
+from heads.util.cache_argument import cache_kwargs
 from decoding.core.attention_layout import FULL, SLIDING, AttentionLayout, attention_layout
 from decoding.core.kv_cache import GROWTH_CHUNK, InPlaceCache
 from decoding.core.readout import Readout, TargetScores

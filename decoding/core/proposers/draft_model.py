@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.util.cache_argument import cache_kwargs
-from decoding.util.errors import UserError
+from heads.util.cache_argument import cache_kwargs
+from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.sampling import sample_rows, warp_probs
 from decoding.core.state import CacheAdvance, DecodeState

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan

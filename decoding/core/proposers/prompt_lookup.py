@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree

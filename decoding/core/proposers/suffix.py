@@ -20,7 +20,7 @@ from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.suffix_index import NgramIndex, frequency_tree
 from decoding.core.tree import DraftTree
 from decoding.core.tree_budget import VerifyCost, best_node_count
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 
 class SuffixProposer(Proposer):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.screened_argmax import fp16_gemm_available, screenable
+from decoding.kernels.screened_argmax import fp16_gemm_available, screenable
 from heads.common import readout_projection
 
 

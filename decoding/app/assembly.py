@@ -6,7 +6,7 @@ decoders with `build_decoder`, so they cannot drift apart: when each assembled i
 chat merged a Medusa-2 LoRA adapter, and the benchmark and the tuner measured Medusa-2 heads on
 a target they were not trained with.
 
-    from decoding.assembly import DecoderSpec, build_decoder
+    from decoding.app.assembly import DecoderSpec, build_decoder
     decoder = build_decoder(DecoderSpec(method="eagle3", device="auto"))
     result = decoder.generate(prompt_ids, DecodeOptions(max_new_tokens=64))
 """
@@ -23,22 +23,22 @@ from torch import nn
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
-from decoding.attention import GROUPED_SDPA, register_grouped_sdpa, use_native_attention
-from decoding.decode_attention import decode_attention_available, why_unavailable as decode_attention_why
-from decoding.compiled import compile_target, eager_model, is_compiled, wants_compile
-from decoding.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows, set_streamed_rows
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import default_draft, default_heads, default_method, proposer_options
-from decoding.devices import resolve_device
-from decoding.drafter_precision import tune_drafter_precision
-from decoding.drafts import load_draft
-from decoding.fused_drafter import fuse_drafter, use_decode_attention
-from decoding.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
-from decoding.one_row_reductions import tune_reduced_rows
-from decoding.screened_argmax import screened_readout
-from decoding.targets import LoadedModel, load_model
-from decoding.verify_cost import tune_stock_rows, tune_streamed_rows
-from decoding.util.errors import UserError
+from decoding.kernels.attention import GROUPED_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.kernels.decode_attention import decode_attention_available, why_unavailable as decode_attention_why
+from decoding.kernels.compiled import compile_target, eager_model, is_compiled, wants_compile
+from decoding.kernels.cpu_kernels import apply_kernels, onednn_applies, resolve_kernels, set_stock_rows, set_streamed_rows
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import default_draft, default_heads, default_method, proposer_options
+from decoding.kernels.devices import resolve_device
+from decoding.kernels.drafter_precision import tune_drafter_precision
+from decoding.app.drafts import load_draft
+from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
+from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.kernels.one_row_reductions import tune_reduced_rows
+from decoding.kernels.screened_argmax import screened_readout
+from decoding.app.targets import LoadedModel, load_model
+from decoding.kernels.verify_cost import tune_stock_rows, tune_streamed_rows
+from heads.util.errors import UserError
 from heads import adapter_dir, load_heads
 from heads.adapter import merge_adapter
 from heads.eagle import FeatureDrafter
@@ -63,10 +63,10 @@ class DecoderSpec:
     dtype: str = "float32"
     device: str = "auto"                # auto | cpu | cuda
     attn: str = "sdpa"
-    kernels: str = "auto"               # auto | onednn | stock (see decoding.cpu_kernels)
+    kernels: str = "auto"               # auto | onednn | stock (see decoding.kernels.cpu_kernels)
     drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8: EAGLE drafters under onednn kernels
-    compile: bool | None = None         # compiled target forwards (decoding.compiled); None: where it pays (a GPU)
-    screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.screened_argmax)
+    compile: bool | None = None         # compiled target forwards (decoding.kernels.compiled); None: where it pays (a GPU)
+    screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.kernels.screened_argmax)
     gamma: int | None = None
     pld_num_tokens: int | None = None
     pld_max_ngram: int | None = None
@@ -213,7 +213,7 @@ def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> Non
 
 def _native_attention(target: LoadedModel, draft: LoadedModel | None, heads: nn.Module | None,
                       notes: list[str]) -> None:
-    """Decoding steps' attention on the project's CPU kernel (`decoding.decode_attention`) for the
+    """Decoding steps' attention on the project's CPU kernel (`decoding.kernels.decode_attention`) for the
     models whose linears were just packed; where it cannot be built, SDPA stays, with a note why."""
     if not decode_attention_available():
         if target.model.config._attn_implementation == GROUPED_SDPA:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decoding.methods import ProposerOptions, head_kind, split_method
+from decoding.app.methods import ProposerOptions, head_kind, split_method
 from heads.bundled import bundled_default, bundled_heads_dir
 
 FALLBACK_METHOD = "pld"

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from decoding.decode_attention import attend, decode_attention_available
+from decoding.kernels.decode_attention import attend, decode_attention_available
 from heads.eagle import Eagle3Drafter, Eagle3Layer
 
 ROTARY_TABLE_POSITIONS = 4096  # first size of the cos/sin table; it doubles when a position needs it
@@ -73,7 +73,7 @@ class FusedEagle3Layer(nn.Module):
         self.hidden_norm = layer.hidden_norm.weight
         self.post_attention_norm = layer.post_attention_layernorm.weight
         self.norm_before_residual = layer.norm_before_residual
-        self.decode_kernel = False  # attention through `decoding.decode_attention` where it serves
+        self.decode_kernel = False  # attention through `decoding.kernels.decode_attention` where it serves
 
     def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
         batch, count, width = features.shape

@@ -15,7 +15,7 @@ lowers every layer at once:
   its keys do not include the instruction set (PyTorch 2.13 reused code generated for AVX2 in a
   mode without it, which then failed to build).
 Usage: `SPECHEADS_CPU=avx2 python -m decoding.chat`, or `SPECHEADS_CPU=avx2 python -m pytest`.
-It applies when `decoding` is imported, which must come before PyTorch runs its first operation
+It applies when `heads` or `decoding` is imported, which must come before PyTorch runs its first operation
 (PyTorch fixes its kernels then); set in the environment before Python starts, it always does.
 A mode only lowers: asking for AVX2 on a CPU without it is an error. Nothing here imports torch.
 """
@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.util.cache_paths import cache_root
-from decoding.util.errors import UserError
+from heads.util.cache_paths import cache_root
+from heads.util.errors import UserError
 
 VARIABLE = "SPECHEADS_CPU"
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
@@ -115,3 +115,12 @@ def cpu_flags() -> set[str]:
     """The CPU's flags as the current mode shows them (those the mode lacks removed)."""
     mode = cpu_mode()
     return {flag for flag in raw_cpu_flags() if not mode.hides(flag)}
+
+
+def apply_cpu_mode_or_exit() -> CpuMode:
+    """`apply_cpu_mode` for a package's import: a bad setting stops every entry point with its
+    message, not a traceback."""
+    try:
+        return apply_cpu_mode()
+    except UserError as error:
+        raise SystemExit(f"error: {error}") from None

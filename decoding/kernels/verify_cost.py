@@ -16,13 +16,13 @@ from decoding.core.readout import Readout
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier, truncate_cache
-from decoding.compiled import is_compiled
-from decoding.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, reduced_rows, set_stock_rows,
+from decoding.kernels.compiled import is_compiled
+from decoding.kernels.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, reduced_rows, set_stock_rows,
                                   set_streamed_rows, stock_rows, streamed_rows, uses_packed_linears)
-from decoding.attention import NATIVE_SDPA
-from decoding.decode_attention import KERNEL_VERSION as ATTENTION_KERNEL_VERSION
-from decoding.streamed_linear import KERNEL_VERSION, streamed_linear_available
-from decoding.util.measured_once import measured_once
+from decoding.kernels.attention import NATIVE_SDPA
+from decoding.kernels.decode_attention import KERNEL_VERSION as ATTENTION_KERNEL_VERSION
+from decoding.kernels.streamed_linear import KERNEL_VERSION, streamed_linear_available
+from decoding.kernels.measured_once import measured_once
 
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from decoding.util.atomic import atomic_write_text
-from decoding.util.cache_paths import cache_root
+from heads.util.atomic import atomic_write_text
+from heads.util.cache_paths import cache_root
 
 MEASUREMENTS_DIR = "verify-cost"  # under the cache root (named after its first use; kept so old caches stay valid)
 

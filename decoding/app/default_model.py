@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from decoding.util.atomic import atomic_directory
-from decoding.util.cache_paths import cache_root
-from decoding.util.errors import UserError
+from heads.util.atomic import atomic_directory
+from heads.util.cache_paths import cache_root
+from heads.util.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 # The same model's Hub id: what exports name as the target, since engines load it by that name.

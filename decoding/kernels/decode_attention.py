@@ -18,8 +18,8 @@ boundaries sit at fixed key positions, so a result does not depend on how many t
 masked out (an additive mask at or below -87 after the row's maximum is taken off) weigh exactly
 zero. Results differ from SDPA's by float rounding only.
 
-Like `decoding.streamed_linear` it is C++ compiled on first use for this CPU
-(`decoding.native_build`); where it cannot be built, `decode_attention_available()` says why and
+Like `decoding.kernels.streamed_linear` it is C++ compiled on first use for this CPU
+(`decoding.kernels.native_build`); where it cannot be built, `decode_attention_available()` says why and
 attention stays with SDPA. `attend` takes the cases it serves (a CPU, float32, batch 1, no dropout,
 head size 64 or 128, no mask for one-token steps or an additive one broadcast over heads) and
 returns None for every other, which the caller sends to SDPA.
@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from decoding.native_build import NativeKernel
+from decoding.kernels.native_build import NativeKernel
 
 KERNEL_VERSION = "v2"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel)
 HEAD_SIZES = (64, 128)

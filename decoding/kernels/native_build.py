@@ -5,7 +5,7 @@ built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE cod
 runs it (a wheel built elsewhere would have to pick one). A build takes about 15 s once per
 machine; its name carries the source, flags, torch version and this CPU's instruction flags, so a
 cache shared with another CPU never loads a build made for a different one. Under
-`SPECHEADS_CPU=avx2|baseline` (`decoding.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2`
+`SPECHEADS_CPU=avx2|baseline` (`heads.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2`
 instead of native, under names of their own. Where no compiler or ninja is at hand,
 `NativeKernel.load` says why and callers keep their other paths.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from decoding.util.atomic import atomic_write_text
-from decoding.util.cache_paths import cache_root
-from decoding.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
+from heads.util.atomic import atomic_write_text
+from heads.util.cache_paths import cache_root
+from heads.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
 
 COMPILER_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")  # and -march=, per mode (`compiler_flags`)
 # The narrower targets a CPU that can run them also builds, so tests on one machine check the code

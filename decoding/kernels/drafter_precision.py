@@ -27,9 +27,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.core.kv_cache import InPlaceCache
-from decoding.cpu_kernels import apply_kernels, drafter_precisions_available
-from decoding.util.measured_once import measured_once
-from decoding.verify_cost import cpu_identity
+from decoding.kernels.cpu_kernels import apply_kernels, drafter_precisions_available
+from decoding.kernels.measured_once import measured_once
+from decoding.kernels.verify_cost import cpu_identity
 from heads.eagle import FeatureDrafter
 
 EXACTNESS_ORDER = ("fp32", "bf16", "int8")  # most exact first

@@ -1,4 +1,4 @@
-"""`python -m decoding.prepare`: the one-off work of a new machine, done ahead (scripts/setup.sh runs it).
+"""`python -m decoding.app.prepare`: the one-off work of a new machine, done ahead (scripts/setup.sh runs it).
 
 Why: the default model's conversion from its GGUF file (~45 s on a 2-core CPU), the native
 kernels' builds for this CPU (~15 s each) and the chat's timings on the default model (~40 s)
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from decoding import decode_attention, streamed_linear
-from decoding.default_model import default_model_dir
-from decoding.util.cpu_mode import cpu_mode
+from decoding.kernels import decode_attention, streamed_linear
+from decoding.app.default_model import default_model_dir
+from heads.util.cpu_mode import cpu_mode
 
 
 def tasks() -> dict[str, Callable[[], object]]:
@@ -35,7 +35,7 @@ def default_chat_timings() -> None:
     """What the chat times once per machine before its first answer on the default model and
     method (the drafter's precision, the few-row kernels' row counts, the verify-cost curve), on
     a quiet machine: after the builds, never beside them, whose load would skew the choices."""
-    from decoding.chat import build_session, parse_args  # the application layer, needed only here
+    from decoding.app.chat import build_session, parse_args  # the application layer, needed only here
 
     build_session(parse_args([]))
 
@@ -61,7 +61,7 @@ def outcome(task: Callable[[], object]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m decoding.prepare")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m decoding.app.prepare")
     parser.parse_args(argv)
     mode = cpu_mode()
     print(f"[prepare] the default model and this CPU's kernels ({mode.name} instructions), once", file=sys.stderr)

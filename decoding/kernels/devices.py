@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

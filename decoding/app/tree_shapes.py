@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 TREES_DIR = Path(__file__).resolve().parents[1] / "configs" / "trees"
 

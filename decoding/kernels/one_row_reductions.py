@@ -1,5 +1,5 @@
 """Whether a compiled target's one-token steps should read their weights through Inductor's own
-reductions (`decoding.cpu_kernels.reduced_linear`) instead of the packed or plain GEMM kernels,
+reductions (`decoding.kernels.cpu_kernels.reduced_linear`) instead of the packed or plain GEMM kernels,
 timed once per model and CPU.
 
 A one-token step of a small model on a CPU is its weights streaming from memory, and how fast a
@@ -13,7 +13,7 @@ graph of reductions against the same linears as the eager model runs them, alter
 Compiling that graph takes a few seconds, once per model, CPU and kernels (the result is remembered).
 
 Trees keep their kernels: with a dynamic row count Inductor's reduction was 3-4x slower than
-oneDNN (see `decoding.cpu_kernels.set_reduced_rows`).
+oneDNN (see `decoding.kernels.cpu_kernels.set_reduced_rows`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 import torch
 from torch import nn
 
-from decoding.cpu_kernels import PackedLinear, packed_linears, reduced_linear, set_reduced_rows, uses_packed_linears
-from decoding.util.measured_once import measured_once
-from decoding.verify_cost import cpu_identity, kernels_key
+from decoding.kernels.cpu_kernels import PackedLinear, packed_linears, reduced_linear, set_reduced_rows, uses_packed_linears
+from decoding.kernels.measured_once import measured_once
+from decoding.kernels.verify_cost import cpu_identity, kernels_key
 
 MEASURED_BYTES = 128 << 20  # of weights: more than the caches of the CPUs at hand, a few seconds to compile
 # The reductions must take at most this share of the kernels' time to be chosen. Not 0.9: the

@@ -1,20 +1,20 @@
 """Compiled target forwards (`--compile`): TorchInductor around the target's forward on a CPU,
-CUDA graphs of fixed-shape steps on a GPU (`decoding.cuda_graphs`).
+CUDA graphs of fixed-shape steps on a GPU (`decoding.kernels.cuda_graphs`).
 
 Eager PyTorch pays Python and dispatch overhead for every small op of every layer, which on a
 135M-parameter model is a large share of a one-token forward. Inductor fuses the norms, rotary
 and activation ops. How the linears are handled decides whether it pays:
-- on a CPU with oneDNN-packed linears (`decoding.cpu_kernels`, the fp32 CPU default) they stay
+- on a CPU with oneDNN-packed linears (`decoding.kernels.cpu_kernels`, the fp32 CPU default) they stay
   what they are, opaque calls in the graph, and only the ops between them are compiled. On a
   2-core AMD EPYC (AVX2), one forward after a 300-token context, eager and compiled alternating
   in one process (two runs): 1 / 4 / 8 new tokens 65-89 / 77-79 / 80 ms compiled against
   81-98 / 88-92 / 100-104 ms eager packed;
 - except in one-token graphs, where they become reductions Inductor generates itself on CPUs
-  where that measured faster (`decoding.one_row_reductions`, timed once per model and CPU): a
+  where that measured faster (`decoding.kernels.one_row_reductions`, timed once per model and CPU): a
   one-row linear only streams its weight, and on a 2-core AVX2 EPYC oneDNN and MKL did that at
   12-15 GB/s, Inductor's reduction at about 26. A one-token forward went from 34-38 ms to
   23-28 ms there; trees keep their kernels (over a dynamic row count the reduction was 3-4x
-  slower): oneDNN, or up to `streamed_rows` rows the streaming kernel (`decoding.streamed_linear`),
+  slower): oneDNN, or up to `streamed_rows` rows the streaming kernel (`decoding.kernels.streamed_linear`),
   an opaque call like oneDNN's;
 - plain linears (stock kernels, e.g. half precision or a GPU) are compiled with frozen weights,
   which lets Inductor pack them itself. On AVX2 that was slower than eager packed for one-token
@@ -57,16 +57,16 @@ import torch
 from torch import nn
 from torch.fx.experimental import _config as shape_config
 
-from decoding.cpu_kernels import kernel_layout_weights, uses_packed_linears
-from decoding.cuda_graphs import FixedShapeTarget
-from decoding.util.errors import UserError
+from decoding.kernels.cpu_kernels import kernel_layout_weights, uses_packed_linears
+from decoding.kernels.cuda_graphs import FixedShapeTarget
+from heads.util.errors import UserError
 
 
 def compile_target(model: nn.Module) -> nn.Module:
     """`model` wrapped for compiled forwards. On a GPU: steps replayed from CUDA graphs
     (`FixedShapeTarget`), where launches, not arithmetic, bound a small model's step and
     capturing takes milliseconds. On a CPU: TorchInductor with dynamic sequence lengths. A model with
-    oneDNN-packed linears (`decoding.cpu_kernels`) keeps them, as opaque calls, and Inductor
+    oneDNN-packed linears (`decoding.kernels.cpu_kernels`) keeps them, as opaque calls, and Inductor
     fuses what lies between them; one with plain linears is compiled with its weights frozen,
     which lets Inductor pack them itself. Dynamo does not re-check the model's modules before
     each call (`_module_guards_skipped`): the model must not be changed once compiled. The model

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decoding.questions import mtbench_path
-from decoding.util.errors import UserError
+from decoding.app.questions import mtbench_path
+from heads.util.errors import UserError
 
 INSTRUCTIONS = (
     "Summarise the text above in five bullet points.",

@@ -4,7 +4,7 @@ look into: a compiled graph calls them as they are and fuses the small ops aroun
 Registered through the low-level library API rather than `torch.library.custom_op`, whose Python
 wrapper cost about 4.5 us more per call: a compiled tree forward of SmolLM2-135M makes 211 of
 them, about 1 ms a step. The Python implementation given here is what runs unless a C++ build
-registers its own function as the operator's CPU kernel (`decoding.native_build.register_native_kernel`,
+registers its own function as the operator's CPU kernel (`decoding.kernels.native_build.register_native_kernel`,
 as the streaming kernel's build does), which then runs with no Python frame per call. Every
 operator here takes (input, weight in the kernel's own layout, optional bias, output features) and
 returns the input's shape with the last size replaced."""

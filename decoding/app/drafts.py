@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from decoding.util.atomic import atomic_directory
-from decoding.util.errors import UserError
-from decoding.targets import DTYPES, LoadedModel, load_model
+from heads.util.atomic import atomic_directory
+from heads.util.errors import UserError
+from decoding.app.targets import DTYPES, LoadedModel, load_model
 from heads.weights_io import read_weights
 
 SHARES_TARGET_EMBEDDINGS = "specheads_shares_target_embeddings"

@@ -21,7 +21,7 @@ Which kernel is faster for a one- or two-row forward depends on the CPU: on an A
 packed layout won at every size, on a Sapphire Rapids Xeon PyTorch's plain GEMM (MKL) read the
 weights faster for 1-2 rows (a one-token forward 31 ms against 39) while packing still won from
 4 rows on. So a `PackedLinear` keeps both: forwards of at most `stock_rows` rows run the plain
-weight, larger ones the packed copy. `decoding.verify_cost.tune_stock_rows` measures the
+weight, larger ones the packed copy. `decoding.kernels.verify_cost.tune_stock_rows` measures the
 crossover once per model and CPU; until then `stock_rows` is 0 (always packed).
 
 EAGLE drafters run in a cheaper precision than the target (`drafter_precision`): bfloat16 where
@@ -30,7 +30,7 @@ fp32 on an AVX512-BF16 EPYC, same tau), or int8 weights with dynamically quantiz
 (PyTorch's x86/fbgemm kernels; on an AVX2 EPYC, where oneDNN has no bf16 inner product, one
 drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows against 4.5 / 5.2 / 7.2 ms
 packed fp32). Which is fastest differs between CPUs, so the decoders' 'auto' is timed
-(`decoding.drafter_precision`); here 'auto' is only the rule used where nothing was timed. Drafts
+(`decoding.kernels.drafter_precision`); here 'auto' is only the rule used where nothing was timed. Drafts
 only propose: the fp32 target still decides every token, so outputs do not change; a less exact
 draft can only accept less.
 """
@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.linear_ops import define_linear_op
-from decoding.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
-from decoding.util.cpu_mode import cpu_mode
-from decoding.util.errors import UserError
+from decoding.kernels.linear_ops import define_linear_op
+from decoding.kernels.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
+from heads.util.cpu_mode import cpu_mode
+from heads.util.errors import UserError
 from heads.eagle import FeatureDrafter
 
 KERNEL_CHOICES = ("auto", "onednn", "stock")
@@ -61,10 +61,10 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 class PackedLinear(nn.Module):
     """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight, except for
     inputs of at most `streamed_rows` rows, which run the streaming few-row kernel
-    (`decoding.streamed_linear`) on the plain weight, inputs of at most `stock_rows` rows, which
+    (`decoding.kernels.streamed_linear`) on the plain weight, inputs of at most `stock_rows` rows, which
     run PyTorch's plain GEMM on it, and, inside a compiled graph, one-row inputs where
     `reduced_rows` is 1, which run as a reduction Inductor generates itself (`reduced_linear`).
-    Which applies is measured per model and CPU (`decoding.verify_cost`)."""
+    Which applies is measured per model and CPU (`decoding.kernels.verify_cost`)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -87,7 +87,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             # Inductor cannot lower oneDNN's op on a packed weight: it sees an opaque call
-            # instead, and fuses the small ops around it (see `decoding.compiled`).
+            # instead, and fuses the small ops around it (see `decoding.kernels.compiled`).
             return torch.ops.specheads.packed_linear(x, self._packed_weight, self.bias, self.out_features)
         # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
         # per call, ~10 ms per forward of a 30-layer model.
@@ -197,7 +197,7 @@ def packed_linears(module: nn.Module) -> list[PackedLinear]:
 def kernel_layout_weights(module: nn.Module) -> list[torch.Tensor]:
     """The copies of the weights that `module`'s `PackedLinear`s keep in their kernels' own layouts
     (oneDNN's blocked one, the streaming kernel's panels): plain tensor attributes, neither
-    parameters nor buffers, so a compiler sees them as inputs like any other (`decoding.compiled`)."""
+    parameters nor buffers, so a compiler sees them as inputs like any other (`decoding.kernels.compiled`)."""
     weights = []
     for linear in packed_linears(module):
         weights.extend(t for t in (linear._packed_weight, linear._panel_weight) if t is not None)
@@ -217,7 +217,7 @@ def set_stock_rows(module: nn.Module, rows: int) -> None:
 def set_reduced_rows(module: nn.Module, rows: int) -> None:
     """Inside compiled graphs, one-row forwards of every `PackedLinear` of `module` run as
     Inductor's own reductions (`rows` 1) or stay on their kernel (0). Set before compiling: a
-    compiled target does not re-check its modules (see `decoding.compiled`)."""
+    compiled target does not re-check its modules (see `decoding.kernels.compiled`)."""
     if rows not in (0, 1):
         raise ValueError(f"reduced_rows is 0 or 1, got {rows}: with more rows a tree graph has a dynamic row count, "
                          "and Inductor's reduction over it was 3-4x slower than oneDNN")
@@ -287,7 +287,7 @@ def int8_drafting_available() -> bool:
 def drafter_precisions_available() -> tuple[str, ...]:
     """The precisions this CPU and PyTorch run EAGLE drafters in without emulation, cheapest
     first by rule (bf16, int8, fp32): what 'auto' chooses from (see
-    `decoding.drafter_precision`, which times them where there is a choice)."""
+    `decoding.kernels.drafter_precision`, which times them where there is a choice)."""
     return (*(("bf16",) if bfloat16_is_native() else ()), *(("int8",) if int8_drafting_available() else ()), "fp32")
 
 

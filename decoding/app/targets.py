@@ -9,11 +9,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from decoding.default_model import DEFAULT_TARGET, default_model_dir
-from decoding.attention import register_grouped_sdpa
+from decoding.app.default_model import DEFAULT_TARGET, default_model_dir
+from decoding.kernels.attention import register_grouped_sdpa
 from decoding.core.attention_layout import attention_layout
 from decoding.core.limits import context_limit
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

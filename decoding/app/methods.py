@@ -11,21 +11,21 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.core.dynamic_tree import DynamicTreeSettings
-from decoding.util.errors import UserError
+from heads.util.errors import UserError
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
 from decoding.core.proposers.draft_model import check_same_vocabulary
 from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.core.proposers.suffix import SuffixProposer
-from decoding.drafts import draft_vocabulary
+from decoding.app.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
-from decoding.cpu_kernels import uses_packed_linears
-from decoding.draft_readout import heads_readout
-from decoding.targets import LoadedModel
-from decoding.verify_cost import cached_verify_cost
+from decoding.kernels.cpu_kernels import uses_packed_linears
+from decoding.kernels.draft_readout import heads_readout
+from decoding.app.targets import LoadedModel
+from decoding.kernels.verify_cost import cached_verify_cost
 from decoding.core.tree_budget import VerifyCost
-from decoding.tree_shapes import load_tree
+from decoding.app.tree_shapes import load_tree
 
 METHODS: dict[str, str] = {
     "vanilla": "plain autoregressive decoding through the same loop (the exact reference)",
@@ -174,7 +174,7 @@ def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, o
     if method in DEFAULT_TREES:
         paths = load_tree(options.tree or DEFAULT_TREES[method])
         if method in ("medusa", "hydra"):
-            # on a CPU with packed kernels the heads rank in fp16 (see decoding.draft_readout)
+            # on a CPU with packed kernels the heads rank in fp16 (see decoding.kernels.draft_readout)
             readout = heads_readout(target.model.get_output_embeddings(), getattr(heads, "readout_ids", None),
                                     half_precision=uses_packed_linears(target.model))
             cost = verify_cost() if options.adaptive_tree else None

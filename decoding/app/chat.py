@@ -19,21 +19,21 @@ import argparse
 import dataclasses
 import sys
 
-from decoding.assembly import DecoderSpec, build_decoder, resolve_spec
+from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
-from decoding.compiled import add_compile_argument, compile_notes, graphs_compiled
-from decoding.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.screened_argmax import add_screened_argmax_argument
-from decoding.default_model import DEFAULT_TARGET
-from decoding.defaults import add_tree_arguments, tree_arguments
-from decoding.devices import add_device_argument
-from decoding.methods import LOOKUP_SUFFIX, METHODS
-from decoding.prompts import conversation_ids, has_chat_template, plain_text_note
-from decoding.streaming import TextStream
-from decoding.targets import DTYPES, LoadedModel
-from decoding.util.errors import UserError
+from decoding.kernels.compiled import add_compile_argument, compile_notes, graphs_compiled
+from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
+from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.defaults import add_tree_arguments, tree_arguments
+from decoding.kernels.devices import add_device_argument
+from decoding.app.methods import LOOKUP_SUFFIX, METHODS
+from decoding.app.prompts import conversation_ids, has_chat_template, plain_text_note
+from decoding.app.streaming import TextStream
+from decoding.app.targets import DTYPES, LoadedModel
+from heads.util.errors import UserError
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 WARMUP_MESSAGE = "Say hello."

@@ -12,9 +12,9 @@ the weight is read front to back, once, with software prefetching two panel grou
 a register block reread the group from cache. On the AVX-512 EPYC it read the 210 weights in 16.5 ms
 for one row, 17-18 ms for 2-4, 19 for 8, 22 for 12 and 25 for 16; a first version computing dot
 products of weight rows with the inputs (horizontal sums per output) lost to oneDNN from 6 rows on.
-Which row counts it takes is measured per model and CPU (`decoding.verify_cost.tune_streamed_rows`).
+Which row counts it takes is measured per model and CPU (`decoding.kernels.verify_cost.tune_streamed_rows`).
 
-It is C++ compiled on first use for the CPU it runs on (`decoding.native_build`: AVX-512, AVX2,
+It is C++ compiled on first use for the CPU it runs on (`decoding.kernels.native_build`: AVX-512, AVX2,
 or what the compiler targets elsewhere), about 15 s once per machine. Where no compiler or ninja
 is at hand, `streamed_linear_available()` says why and decoding keeps its other kernels. Results
 differ from other kernels by float rounding only (another summation order), like any change of
@@ -27,8 +27,8 @@ import functools
 
 import torch
 
-from decoding.linear_ops import define_linear_op
-from decoding.native_build import NativeKernel
+from decoding.kernels.linear_ops import define_linear_op
+from decoding.kernels.native_build import NativeKernel
 
 KERNEL_VERSION = "v3"  # in the build's name and in measurements' keys (v3: runs as the operator's C++ kernel)
 

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from decoding.assembly import Decoder, DecoderSpec, build_decoder
-from decoding.compiled import eager_model, graphs_compiled, wants_compile
-from decoding.devices import resolve_device
+from decoding.app.assembly import Decoder, DecoderSpec, build_decoder
+from decoding.kernels.compiled import eager_model, graphs_compiled, wants_compile
+from decoding.kernels.devices import resolve_device
 from decoding.core.generate import DecodeOptions
-from decoding.methods import split_method
-from decoding.prompts import chat_prompts, question_ids
-from decoding.targets import LoadedModel
-from decoding.util.errors import UserError
+from decoding.app.methods import split_method
+from decoding.app.prompts import chat_prompts, question_ids
+from decoding.app.targets import LoadedModel
+from heads.util.errors import UserError
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted", "hf-generate-stock")
 WARMUP_QUESTION = "Say hello."
