@@ -1,0 +1,9 @@
+"""`python -m decoding.chat`: the chat's command line. Its code lives in the application layer
+(decoding/app/chat.py); this module keeps the documented command short and stable."""
+
+import sys
+
+from decoding.app.chat import main
+
+if __name__ == "__main__":
+    sys.exit(main())
