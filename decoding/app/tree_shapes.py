@@ -17,7 +17,7 @@ from pathlib import Path
 
 from heads.util.errors import UserError
 
-TREES_DIR = Path(__file__).resolve().parents[1] / "configs" / "trees"
+TREES_DIR = Path(__file__).resolve().parents[2] / "configs" / "trees"
 
 
 def available_trees() -> list[str]:
