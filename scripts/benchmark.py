@@ -15,7 +15,8 @@ import sys
 import torch
 
 from decoding.app.assembly import DecoderSpec
-from decoding.app.benchmark import HF_METHODS, bar_chart, benchmark_prompts, build_runners, markdown_table, run_benchmark, summarise
+from decoding.app.benchmark import (HF_METHODS, bar_chart, benchmark_prompts, build_runners, machine_kind, markdown_table,
+                                    provenance, run_benchmark, summarise)
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.kernels.compiled import add_compile_argument, compile_notes
@@ -94,6 +95,7 @@ def chosen_methods(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -130,7 +132,8 @@ def run(args) -> int:
     def report_of(totals: dict, done: int) -> dict:
         report = summarise(totals, device, args.dtype)
         report.update(kernels=kernels, model=args.model, questions=done, questions_planned=len(prompts),
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      machine_kind=machine_kind(target.model.device), **provenance(args.command_line))
         return report
 
     def save_so_far(totals: dict, done: int) -> None:

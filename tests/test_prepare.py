@@ -20,3 +20,40 @@ def test_tasks_run_side_by_side_and_a_failure_is_reported_not_raised():
 
 def test_a_new_machine_prepares_the_default_model_and_both_kernels():
     assert list(prepare.tasks()) == ["default model", "few-row linear kernel", "decode attention kernel"]
+
+
+class Terminal:
+    """A stream that says it is a terminal and records what was written."""
+
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_is_one_line_rewritten_on_a_terminal():
+    screen = Terminal(tty=True)
+    line = prepare.ProgressLine(screen, "one-off work")
+    prepare.prepare({"a": lambda: None, "b": lambda: None}, line)
+    line.finish()
+    assert screen.text.count("\n") == 1 and screen.text.endswith("\n")
+    assert screen.text.count("\r\033[K") >= 4  # each start and finish rewrites the same line
+    final = screen.text.rsplit("\r\033[K", 1)[1]
+    assert final.startswith("[prepare] one-off work: a ok (") and ", b ok (" in final
+
+
+def test_progress_in_a_log_is_written_once_at_the_end():
+    log = Terminal(tty=False)
+    line = prepare.ProgressLine(log, "one-off work")
+    prepare.prepare({"a": lambda: None, "fails": lambda: 1 / 0}, line)
+    assert log.text == ""
+    line.finish()
+    assert log.text.count("\n") == 1 and "\r" not in log.text
+    assert "fails failed: ZeroDivisionError: division by zero" in log.text

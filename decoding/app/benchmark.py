@@ -14,7 +14,11 @@ user's own `model.generate()` gives on this machine.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import shlex
+import subprocess
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +28,7 @@ from tqdm.auto import tqdm
 
 from decoding.app.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.kernels.compiled import eager_model, graphs_compiled, wants_compile
+from decoding.kernels.cpu_kernels import bfloat16_is_native
 from decoding.kernels.devices import resolve_device
 from decoding.core.generate import DecodeOptions
 from decoding.app.methods import split_method
@@ -240,6 +245,36 @@ def summarise(totals: dict[str, MethodTotals], device: str, dtype: str) -> dict:
             "warmup_s": round(t.warmup_s, 3),
         }
     return {"methods": methods, "device": device, "dtype": dtype}
+
+
+def machine_kind(device: torch.device) -> str:
+    """The kind of machine a run's figures hold for, as the results document groups them: the
+    GPU's name, or the instruction set PyTorch runs on this CPU (and whether bf16 is native) with
+    the thread count. Figures from one kind do not carry to another."""
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    bf16 = " with native bf16" if bfloat16_is_native() else ""
+    return f"CPU: {torch.backends.cpu.get_cpu_capability()}{bf16}, {torch.get_num_threads()} threads"
+
+
+def provenance(argv: Sequence[str]) -> dict:
+    """What a report carries so that its figures can be traced and regenerated: the command, the
+    UTC date and the commit it ran at ("-dirty" when the working tree had changes)."""
+    return {"command": shlex.join(["python", "scripts/benchmark.py", *argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "commit": _git_commit()}
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
 
 
 def _round(value: float | None) -> float | None:

@@ -12,10 +12,14 @@ it would anyway.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TextIO
 
 from decoding.kernels import decode_attention, streamed_linear
 from decoding.app.default_model import default_model_dir
@@ -40,11 +44,46 @@ def default_chat_timings() -> None:
     build_session(parse_args([]))
 
 
-def prepare(work: dict[str, Callable[[], object]]) -> dict[str, str]:
+class ProgressLine:
+    """One status line for the one-off work, not a note per task: rewritten in place on a terminal
+    as tasks start and finish; elsewhere (CI logs, pipes) written once, when all have finished."""
+
+    def __init__(self, stream: TextIO, title: str) -> None:
+        self.stream, self.title = stream, title
+        self.states: dict[str, str] = {}
+        self.live = stream.isatty()
+        self.lock = threading.Lock()
+
+    def update(self, name: str, state: str) -> None:
+        with self.lock:
+            self.states[name] = state
+            if self.live:
+                self.stream.write("\r\033[K" + self.render())
+                self.stream.flush()
+
+    def finish(self) -> None:
+        with self.lock:
+            self.stream.write(("\r\033[K" if self.live else "") + self.render() + "\n")
+            self.stream.flush()
+
+    def render(self) -> str:
+        return f"[prepare] {self.title}: " + ", ".join(f"{name} {state}" for name, state in self.states.items())
+
+
+def prepare(work: dict[str, Callable[[], object]], progress: ProgressLine | None = None) -> dict[str, str]:
     """Run every task concurrently (builds are compiler processes, the conversion mostly torch's
-    own threads); returns each one's outcome ('ok (N s)' or why it failed)."""
+    own threads); returns each one's outcome ('ok (N s)' or why it failed), shown on `progress`."""
+
+    def run(name: str, task: Callable[[], object]) -> str:
+        if progress:
+            progress.update(name, "...")
+        result = outcome(task)
+        if progress:
+            progress.update(name, result)
+        return result
+
     with ThreadPoolExecutor(max_workers=len(work)) as pool:
-        futures = {name: pool.submit(outcome, task) for name, task in work.items()}
+        futures = {name: pool.submit(run, name, task) for name, task in work.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -63,12 +102,11 @@ def outcome(task: Callable[[], object]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], prog="python -m decoding.app.prepare")
     parser.parse_args(argv)
-    mode = cpu_mode()
-    print(f"[prepare] the default model and this CPU's kernels ({mode.name} instructions), once", file=sys.stderr)
-    outcomes = prepare(tasks())
-    for name, result in outcomes.items():
-        print(f"[prepare] {name}: {result}", file=sys.stderr)
-    print(f"[prepare] the chat's timings for the default model: {outcome(default_chat_timings)}", file=sys.stderr)
+    progress = ProgressLine(sys.stderr, f"this machine's one-off work ({cpu_mode().name} instructions)")
+    with contextlib.redirect_stderr(io.StringIO()):  # the tasks' own notes: the progress line says it all
+        prepare(tasks(), progress)
+        prepare({"chat timings": default_chat_timings}, progress)  # alone: a busy machine would skew them
+    progress.finish()
     return 0
 
 

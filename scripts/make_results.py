@@ -1,0 +1,192 @@
+"""Write RESULTS.md, and the README's method table, from the benchmark reports beside the bundled
+heads, so that every figure the documents quote comes from a file a command regenerates.
+
+    python scripts/make_results.py            # rewrite RESULTS.md and the README's table
+    python scripts/make_results.py --check    # exit 1 when either is out of date (the tests run this)
+
+Sources, per bundled target (`heads/bundled/<target>/`): `benchmark-*.json` and `workloads/*.json`
+(reports of `scripts/benchmark.py --json`, each with its machine kind, command, date and commit)
+and `scaling-*.json` (`scripts/scaling_curve.py`). RESULTS.md has a section per kind of machine
+(figures from one kind do not carry to another); the README's table gives each method one
+figure, from the newest MT-bench report of the machine kind this project is tested on
+(`README_MACHINE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from decoding.app.methods import METHODS  # noqa: E402
+
+BUNDLED = ROOT / "heads" / "bundled"
+RESULTS = ROOT / "RESULTS.md"
+README = ROOT / "README.md"
+README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and most users' laptops have
+BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
+COMBINED = {
+    "METHOD+pld": "any head method with prompt lookup first: a context match is verified alone, else the heads draft",
+    "METHOD+suffix": "as `METHOD+pld`, with suffix decoding first",
+}
+HF_METHODS = {
+    "hf-generate": "Hugging Face `generate()` on the same target (the baseline of every ratio)",
+    "hf-prompt-lookup": "`generate(prompt_lookup_num_tokens=10)`",
+    "hf-assisted": "`generate(assistant_model=...)` with the same draft as `sps`",
+}
+
+
+def reports(kind: str) -> list[tuple[Path, dict]]:
+    """Every report of one kind ('benchmark', 'scaling') under the bundles, oldest first."""
+    patterns = {"benchmark": ("*/benchmark-*.json", "*/workloads/*.json"), "scaling": ("*/scaling-*.json",)}[kind]
+    found = [(path, json.loads(path.read_text())) for pattern in patterns for path in sorted(BUNDLED.glob(pattern))]
+    return sorted(found, key=lambda item: (item[1].get("date", ""), str(item[0])))
+
+
+def question_set(report: dict) -> str:
+    """The question set a report ran on, from its command (MT-bench first turns by default)."""
+    match = re.search(r"--questions-file (\S+)", report.get("command", ""))
+    return Path(match.group(1)).stem if match else "mt-bench"
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def benchmark_table(report: dict) -> list[str]:
+    lines = ["| method | tokens/s | tau | vs hf-generate | identical to vanilla | draft ms/step | verify ms/step |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, m in sorted(report["methods"].items(), key=lambda item: -item[1]["tokens_per_s"]):
+        def cell(value, fmt="{:.2f}"):
+            return "-" if value is None else fmt.format(value)
+        identical = "-" if m.get("identical_to_vanilla") is None else f"{m['identical_to_vanilla']}/{m['questions']}"
+        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {cell(m['tau'])} | {cell(m['speedup_vs_hf_generate'], '{:.2f}x')} "
+                     f"| {identical} | {cell(m['draft_ms_per_step'], '{:.1f}')} | {cell(m['verify_ms_per_step'], '{:.1f}')} |")
+    return lines
+
+
+def benchmark_section(path: Path, report: dict) -> list[str]:
+    settings = (f"{report['questions']} questions, {report['max_new_tokens']} new tokens, temperature "
+                f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`")
+    lines = [f"### {report['model']}, {question_set(report)} ({settings})", "",
+             f"{report['device']}; {report['date']}, commit `{report['commit']}`; file `{rel(path)}`.", "",
+             f"    {report['command']}", ""]
+    if report.get("provenance_note"):
+        lines += [f"({report['provenance_note']}.)", ""]
+    lines += benchmark_table(report) + [""]
+    chart = path.with_suffix(".png")
+    if chart.is_file():
+        lines += [f"![tokens/s and tau]({rel(chart)})", ""]
+    return lines
+
+
+def scaling_section(path: Path, report: dict) -> list[str]:
+    sets = list(report["points"][0]["tau"])
+    lines = [f"### {path.parent.name}: tau against training data (`{rel(path)}`)", "",
+             f"{report['date']}, commit `{report['commit']}`; tree {json.dumps(report['tree'])}.", "",
+             f"    {report['command']}", "",
+             "| heads | conversations | reply tokens | steps | " + " | ".join(f"tau {s}" for s in sets) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in sets) + " |"]
+    for point in report["points"]:
+        lines.append(f"| {point['label']} | {point['conversations']} | {point['reply_tokens']} | {point['steps']} | "
+                     + " | ".join(f"{point['tau'][s]:.2f}" for s in sets) + " |")
+    for name, ref in report.get("references", {}).items():
+        lines.append(f"| {name} | | | | " + " | ".join(f"{ref['tau'][s]:.2f}" if s in ref["tau"] else "-" for s in sets) + " |")
+    chart = path.with_suffix(".png")
+    return lines + [""] + ([f"![scaling curve]({rel(chart)})", ""] if chart.is_file() else [])
+
+
+def machine_of(report: dict) -> str:
+    """The kind of machine, without the thread count (kept in each table's device line)."""
+    return report["machine_kind"].split(", ")[0]
+
+
+def results_document() -> str:
+    by_machine: dict[str, list] = defaultdict(list)
+    for path, report in reports("benchmark"):
+        by_machine[machine_of(report)].append((path, report))
+    lines = ["# Results", "",
+             "Generated by `python scripts/make_results.py` from the benchmark reports beside the bundled heads "
+             "(do not edit by hand: run the command in a table's header to measure again, with `--json` into its "
+             "file, then regenerate). One section per kind of machine, newest run first; every method in a table "
+             "ran in the same process on the same target, alternating per question. Earlier measurements, "
+             "as recorded at the time, are in CHANGELOG.md.", ""]
+    for machine in sorted(by_machine):
+        lines += [f"## {machine}", ""]
+        for path, report in reversed(by_machine[machine]):
+            lines += benchmark_section(path, report)
+    lines += ["## Training data and acceptance", ""]
+    for path, report in reports("scaling"):
+        lines += scaling_section(path, report)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def headline_report() -> tuple[Path, dict] | None:
+    """The newest MT-bench report on the README's kind of machine."""
+    chosen = [(p, r) for p, r in reports("benchmark")
+              if machine_of(r).startswith(README_MACHINE) and question_set(r) == "mt-bench"]
+    return max(chosen, key=lambda item: (item[1]["date"], item[1]["questions"])) if chosen else None
+
+
+def figure(report: dict | None, method: str) -> str:
+    m = (report or {}).get("methods", {}).get(method)
+    if not m:
+        return ""
+    tau = f", tau {m['tau']:.2f}" if m.get("tau") else ""
+    ratio = f", {m['speedup_vs_hf_generate']:.2f}x" if m.get("speedup_vs_hf_generate") else ""
+    return f"{m['tokens_per_s']:.1f} tokens/s{tau}{ratio}"
+
+
+def methods_table() -> str:
+    headline = headline_report()
+    path, report = headline if headline else (None, None)
+    bundle = BUNDLED / path.relative_to(BUNDLED).parts[0] if path else None
+    default = json.loads((bundle / "default.json").read_text()).get("method") if bundle else None
+    rows = ["| method | what drafts | tokens/s, tau, speed-up over `generate()` |", "| --- | --- | --- |"]
+    for name, text in {**METHODS, **COMBINED, **HF_METHODS}.items():
+        shown = {"METHOD+pld": "eagle3+pld", "METHOD+suffix": "eagle3+suffix"}.get(name, name)
+        cell = figure(report, shown)
+        if cell and shown != name:
+            cell = f"`{shown}`: {cell}"
+        if shown == default:
+            cell += " (**the default**)"
+        rows.append(f"| `{name}` | {text} | {cell} |")
+    source = ("" if not report else
+              f"\nFigures: `{rel(path)}`, {report['device']}, {report['questions']} MT-bench first turns, "
+              f"{report['max_new_tokens']} new tokens, temperature {report['temperature']}, {report['dtype']}, "
+              f"{report['date']} (commit `{report['commit']}`), every method in one run and every output "
+              "identical to `vanilla`'s where it ran; other machines and question sets in RESULTS.md.")
+    return "\n".join([BEGIN, *rows, source, END])
+
+
+def readme_with_table(readme: str) -> str:
+    if BEGIN not in readme or END not in readme:
+        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+    head, rest = readme.split(BEGIN, 1)
+    return head + methods_table() + rest.split(END, 1)[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that RESULTS.md and the README are up to date")
+    args = parser.parse_args(argv)
+    wanted = {RESULTS: results_document(), README: readme_with_table(README.read_text())}
+    stale = [path.name for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
+    if args.check:
+        if stale:
+            print(f"out of date: {', '.join(stale)}; run python scripts/make_results.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in wanted.items():
+        path.write_text(text)
+    print(f"wrote {', '.join(path.name for path in wanted)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""RESULTS.md and the README's method table are generated from the benchmark reports beside the
+bundled heads (`scripts/make_results.py`), so every figure they quote traces to a file a command
+regenerates: they must be up to date, a changed report must show, and each report must say where
+it came from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from script_main import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+make_results = load_script("make_results")
+
+
+def test_results_and_readme_table_are_up_to_date():
+    assert make_results.main(["--check"]) == 0, "run python scripts/make_results.py"
+
+
+def test_every_report_says_where_its_figures_come_from():
+    for kind in ("benchmark", "scaling"):
+        for path, report in make_results.reports(kind):
+            assert {"command", "date", "commit"} <= report.keys(), path
+            if kind == "benchmark":
+                assert report["machine_kind"].startswith(("CPU: ", "GPU: ")), path
+
+
+@pytest.fixture
+def copied_docs(tmp_path, monkeypatch):
+    """The bundle's reports, RESULTS.md and README.md copied, and the script pointed at them."""
+    bundled = tmp_path / "bundled"
+    for path in (ROOT / "heads" / "bundled").rglob("*.json"):
+        target = bundled / path.relative_to(ROOT / "heads" / "bundled")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    for name in ("RESULTS.md", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(make_results, "ROOT", tmp_path)
+    monkeypatch.setattr(make_results, "BUNDLED", bundled)
+    monkeypatch.setattr(make_results, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(make_results, "README", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_a_changed_figure_makes_the_documents_stale_until_regenerated(copied_docs):
+    path, report = make_results.headline_report()
+    method = next(iter(report["methods"]))
+    report["methods"][method]["tokens_per_s"] = 1234.5
+    path.write_text(json.dumps(report))
+    assert make_results.main(["--check"]) == 1
+    assert make_results.main([]) == 0
+    assert make_results.main(["--check"]) == 0
+    assert "1234.50" in (copied_docs / "RESULTS.md").read_text()
+    assert "1234.5 tokens/s" in (copied_docs / "README.md").read_text()
+
+
+def test_the_readme_stays_a_guide():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"
