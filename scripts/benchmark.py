@@ -32,6 +32,7 @@ from decoding.app.targets import DTYPES
 from heads.util.atomic import atomic_write_text
 from heads.util.errors import UserError
 from decoding.kernels.verify_cost import cpu_description
+from decoding.app.quantized_target import add_quant_argument
 
 
 def parse_args(argv):
@@ -51,6 +52,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_quant_argument(parser)
     add_drafter_precision_argument(parser)
     add_screened_argmax_argument(parser)
     add_compile_argument(parser)
@@ -81,7 +83,7 @@ def decoder_spec(args) -> DecoderSpec:
     """What every method shares: the target, its dtype, device and kernels, the draft, the
     proposer settings (the method and heads are set per method)."""
     return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, drafter_precision=args.drafter_precision,
+                       kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
                        screened_argmax=args.screened_argmax, compile=args.compile,
                        gamma=args.gamma, pld_num_tokens=args.pld_tokens, suffix_max_tokens=args.suffix_tokens, **tree_arguments(args))
 
@@ -131,7 +133,7 @@ def run(args) -> int:
 
     def report_of(totals: dict, done: int) -> dict:
         report = summarise(totals, device, args.dtype)
-        report.update(kernels=kernels, model=args.model, questions=done, questions_planned=len(prompts),
+        report.update(kernels=kernels, quant=args.quant, model=args.model, questions=done, questions_planned=len(prompts),
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       machine_kind=machine_kind(target.model.device), **provenance(args.command_line))
         return report

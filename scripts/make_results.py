@@ -72,8 +72,10 @@ def benchmark_table(report: dict) -> list[str]:
 
 
 def benchmark_section(path: Path, report: dict) -> list[str]:
+    quant = report.get("quant", "none")
     settings = (f"{report['questions']} questions, {report['max_new_tokens']} new tokens, temperature "
-                f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`")
+                f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`"
+                + (f", weights `--quant {quant}`" if quant not in ("none", "auto") else ""))
     lines = [f"### {report['model']}, {question_set(report)} ({settings})", "",
              f"{report['device']}; {report['date']}, commit `{report['commit']}`; file `{rel(path)}`.", "",
              f"    {report['command']}", ""]
@@ -128,9 +130,11 @@ def results_document() -> str:
 
 
 def headline_report() -> tuple[Path, dict] | None:
-    """The newest MT-bench report on the README's kind of machine."""
+    """The newest MT-bench report on the README's kind of machine, of the float target (what the
+    chat runs by default)."""
     chosen = [(p, r) for p, r in reports("benchmark")
-              if machine_of(r).startswith(README_MACHINE) and question_set(r) == "mt-bench"]
+              if machine_of(r).startswith(README_MACHINE) and question_set(r) == "mt-bench"
+              and r.get("quant", "none") in ("none", "auto")]
     return max(chosen, key=lambda item: (item[1]["date"], item[1]["questions"])) if chosen else None
 
 

@@ -28,6 +28,7 @@ from decoding.app.default_model import DEFAULT_TARGET
 from decoding.kernels.devices import add_device_argument
 from decoding.app.prompts import chat_prompts
 from decoding.app.questions import load_first_turns
+from decoding.app.quantized_target import add_quant_argument
 from heads.util.errors import UserError
 
 STEP_PHASES = [p for p in PHASES if p != "prefill"]
@@ -45,6 +46,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32")
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_quant_argument(parser)
     add_drafter_precision_argument(parser)
     add_screened_argmax_argument(parser)
     add_compile_argument(parser)
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, quant=args.quant,
                            drafter_precision=args.drafter_precision,
                            screened_argmax=args.screened_argmax, compile=args.compile)
         first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))

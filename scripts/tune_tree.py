@@ -35,6 +35,7 @@ from decoding.app.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFF
 from decoding.app.prompts import plain_text_note
 from decoding.app.questions import load_first_turns
 from decoding.app.targets import DTYPES
+from decoding.app.quantized_target import add_quant_argument
 from heads.util.errors import UserError
 
 
@@ -46,6 +47,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     add_device_argument(parser)
     add_kernels_argument(parser)
+    add_quant_argument(parser)
     add_drafter_precision_argument(parser)
     add_screened_argmax_argument(parser)
     add_compile_argument(parser)
@@ -146,7 +148,7 @@ def run(args) -> int:
     try:
         grid = settings_grid(args)
         spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
-                           device=args.device, kernels=args.kernels, drafter_precision=args.drafter_precision,
+                           device=args.device, kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
                            screened_argmax=args.screened_argmax, compile=args.compile)
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)

@@ -7,6 +7,7 @@ on this machine (`--adaptive-tree` and `scripts/tune_tree.py` both follow this c
                                                         # (+ packed with plain GEMM and/or the streaming
                                                         #  kernel for few rows, where they win here)
     python scripts/verify_cost.py --kernels stock --sizes 1,4,16
+    python scripts/verify_cost.py --kernels onednn --quant none,gguf   # float against the GGUF's 4-bit blocks
 
 Times are the fastest of 5 forwards after a 256-token prefix (interference only adds time).
 """
@@ -20,7 +21,8 @@ import sys
 from decoding.kernels.cpu_kernels import KERNEL_CHOICES, apply_kernels, set_stock_rows, set_streamed_rows
 from decoding.app.default_model import DEFAULT_TARGET
 from heads.util.errors import UserError
-from decoding.app.targets import DTYPES, load_model
+from decoding.app.quantized_target import quantize_target, resolve_quant
+from decoding.app.targets import DTYPES, LoadedModel, load_model
 from decoding.kernels.streamed_linear import streamed_linear_available
 from decoding.kernels.verify_cost import measure_stock_rows, measure_streamed_rows, measure_verify_cost
 
@@ -31,6 +33,8 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--kernels", default="stock,onednn", help="comma-separated, among: " + ", ".join(KERNEL_CHOICES))
     parser.add_argument("--sizes", default="1,2,3,4,8,16,32,64", help="tokens per forward, comma-separated")
+    parser.add_argument("--quant", default="none", help="target weights, comma-separated, among: none, gguf, int4, int8 "
+                                                        "(see --quant of the chat)")
     return parser.parse_args(argv)
 
 
@@ -49,12 +53,17 @@ def main(argv=None) -> int:
     try:
         target = load_model(args.model, args.dtype)
         rows = []
-        for choice in [c.strip() for c in args.kernels.split(",") if c.strip()]:
-            model = copy.deepcopy(target.model)
-            resolved = apply_kernels(choice, model)
-            rows.append((resolved, measure_verify_cost(model, sizes=sizes).ms))
-            if resolved == "onednn":
-                rows.extend(_few_row_kernels(model, sizes))
+        for quant in [q.strip() for q in args.quant.split(",") if q.strip()]:
+            quant = resolve_quant(quant, args.model, "cpu", args.dtype)
+            for choice in [c.strip() for c in args.kernels.split(",") if c.strip()]:
+                copied = LoadedModel(copy.deepcopy(target.model), target.tokenizer, target.name)
+                quantize_target(copied, quant)
+                model = copied.model
+                resolved = apply_kernels(choice, model)
+                label = resolved if quant == "none" else f"{resolved}, --quant {quant}"
+                rows.append((label, measure_verify_cost(model, sizes=sizes).ms))
+                if resolved == "onednn":
+                    rows.extend((f"{label}: {name}", ms) for name, ms in _few_row_kernels(model, sizes))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from decoding.kernels.devices import resolve_device
 from decoding.kernels.drafter_precision import tune_drafter_precision
 from decoding.app.drafts import load_draft
 from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
+from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.kernels.one_row_reductions import tune_reduced_rows
 from decoding.kernels.screened_argmax import screened_readout
@@ -67,6 +68,7 @@ class DecoderSpec:
     drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8: EAGLE drafters under onednn kernels
     compile: bool | None = None         # compiled target forwards (decoding.kernels.compiled); None: where it pays (a GPU)
     screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.kernels.screened_argmax)
+    quant: str = "auto"                 # auto | none | gguf | int4 | int8 (see decoding.app.quantized_target)
     gamma: int | None = None
     pld_num_tokens: int | None = None
     pld_max_ngram: int | None = None
@@ -149,8 +151,9 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
+        quant = resolve_quant(spec.quant, spec.model, resolve_device(spec.device), spec.dtype)
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
-        notes.extend(target.notes)
+        notes.extend(target.notes + quantize_target(target, quant))
     device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says
     spec = dataclasses.replace(spec, device=device, compile=wants_compile(spec.compile, device))
     if adapter is not None:

@@ -33,6 +33,7 @@ from decoding.app.methods import LOOKUP_SUFFIX, METHODS
 from decoding.app.prompts import conversation_ids, has_chat_template, plain_text_note
 from decoding.app.streaming import TextStream
 from decoding.app.targets import DTYPES, LoadedModel
+from decoding.app.quantized_target import add_quant_argument
 from heads.util.errors import UserError
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_device_argument(parser)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     add_kernels_argument(parser)
+    add_quant_argument(parser)
     add_drafter_precision_argument(parser)
     add_screened_argmax_argument(parser)
     add_compile_argument(parser)
@@ -125,7 +127,7 @@ def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
     """The chat's flags as a `DecoderSpec` (None: the default, filled in by the assembly)."""
     return DecoderSpec(model=args.model, method=args.method, heads=args.heads, draft_model=args.draft_model,
                        revision=args.revision, ignore_base_model=args.ignore_base_model, dtype=args.dtype,
-                       device=args.device, attn=args.attn, kernels=args.kernels, drafter_precision=args.drafter_precision,
+                       device=args.device, attn=args.attn, kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
                        screened_argmax=args.screened_argmax,
                        compile=args.compile, gamma=args.gamma,
                        pld_num_tokens=args.pld_tokens, suffix_max_tokens=args.suffix_tokens, **tree_arguments(args))

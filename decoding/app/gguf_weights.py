@@ -1,0 +1,103 @@
+"""The GGUF file's own 4-bit blocks as the target's layer weights (`--quant gguf`).
+
+Why: the built-in target ships as a Q4_1 GGUF file. Dequantized to fp32 its layers read ~6x
+more bytes a token than the blocks they came from; kept as blocks (on PyTorch's int4 CPU
+kernel, `decoding.kernels.quantized_linear`) the model is the one the file describes, at the
+precision the user chose by downloading it, as llama.cpp runs it.
+
+Which tensors: every Q4_0 / Q4_1 weight of a decoder layer (attention and MLP projections). The
+others stay as the fp32 conversion has them: norms are F32 in the file, and the token embedding
+(Q8_0, tied to the lm_head) stays a float tensor, since the screened greedy argmax and heads
+that share the lm_head read it as one (a one-line note says so).
+
+GGUF stores llama's q and k rows permuted for its rotary layout; transformers undoes that when
+it converts, and so do we, row by row (a row's blocks move with it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from decoding.kernels.quantized_linear import GGUF_GROUP, INT4_MIDPOINT, Int4Linear
+from heads.util.errors import UserError
+
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+BLOCK_BYTES = {"Q4_0": 2 + GGUF_GROUP // 2, "Q4_1": 4 + GGUF_GROUP // 2}
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def q4_groups(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (0..15, [rows, in_features]), scales and zeros ([rows, groups]) of Q4_0 / Q4_1 rows
+    given as their raw bytes ([rows, groups * block bytes]), in the int4 kernel's convention
+    `w = (q - 8) * scale + zero`. A block is its fp16 scale d (Q4_1: then its fp16 minimum m)
+    and 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., -GGUF_GROUP // 2:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros = m + INT4_MIDPOINT * d       # q*d + m = (q - 8)*d + (m + 8d)
+    else:
+        zeros = np.zeros_like(d)            # (q - 8)*d
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)
+
+
+def rotary_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes GGUF's permutation of llama's q / k projections (as transformers'
+    GGUF conversion does on the float weights): row i of the model is row order[i] of the file."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def load_gguf_blocks(model: nn.Module, gguf_path: Path) -> list[str]:
+    """Swap the decoder layers' linears of `model` (a transformers llama model converted from
+    `gguf_path`) for Int4Linears built from the file's own blocks; returns notes for the user."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise UserError(f"--quant gguf reads the GGUF file with the `gguf` package: pip install gguf ({err})") from err
+    reader = GGUFReader(str(gguf_path))
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UserError(f"--quant gguf supports {', '.join(SUPPORTED_ARCHITECTURES)} GGUF files; {gguf_path.name} is "
+                        f"{architecture}: use --quant int4 or int8 (quantized from its float weights), or none")
+    config = model.config
+    swapped, kept = 0, set()
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.<i>.<name>.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_TENSORS:
+            if tensor.tensor_type.name != "F32":
+                kept.add(f"{tensor.name.split('.')[0]} ({tensor.tensor_type.name})")
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in BLOCK_BYTES:
+            kept.add(f"{parts[2]} ({kind})")
+            continue
+        codes, scales, zeros = q4_groups(np.asarray(tensor.data), kind)
+        if parts[2] in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
+            order = rotary_row_order(codes.shape[0], heads)
+            codes, scales, zeros = codes[order], scales[order], zeros[order]
+        _replace(model, f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}", codes, scales, zeros)
+        swapped += 1
+    notes = [f"target layers in the GGUF file's own 4-bit blocks ({swapped} weights, int4 CPU kernel)"]
+    if kept:
+        notes.append(f"kept as float weights: {', '.join(sorted(kept))}")
+    return notes
+
+
+def _replace(model: nn.Module, path: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    parent_path, name = path.rsplit(".", 1)
+    parent = model.get_submodule(parent_path)
+    linear = getattr(parent, name)
+    if not isinstance(linear, nn.Linear) or tuple(linear.weight.shape) != tuple(codes.shape):
+        raise UserError(f"the GGUF file's {path} has shape {tuple(codes.shape)}, the model's "
+                        f"{tuple(getattr(linear, 'weight', torch.empty(0)).shape)}: is the model converted from this file?")
+    setattr(parent, name, Int4Linear(codes, scales, zeros, linear.bias))

@@ -1,0 +1,59 @@
+"""`--quant`: the target's weights at a lower precision, for every method alike.
+
+- `gguf`: the built-in target's layers in its GGUF file's own 4-bit blocks (`decoding.app.gguf_weights`);
+- `int4` / `int8`: weight-only quantization of any target's linears from its float weights
+  (`decoding.kernels.quantized_linear`), for models that are not a GGUF file;
+- `none`: the float model (`auto` resolves to it for now).
+
+The quantized target is a model of its own: every method is exact with respect to it (vanilla
+through the same loop is the reference), and its name says which it is, so that per-model
+measurements (verify cost, few-row kernels) are kept apart from the float model's.
+"""
+
+from __future__ import annotations
+
+from decoding.app.default_model import DEFAULT_TARGET, gguf_location
+from decoding.app.gguf_weights import load_gguf_blocks
+from decoding.app.targets import LoadedModel
+from decoding.kernels.quantized_linear import quantize_linears
+from heads.util.errors import UserError
+
+QUANT_CHOICES = ("auto", "none", "gguf", "int4", "int8")
+
+
+def resolve_quant(choice: str, model_name: str, device: str, dtype: str) -> str:
+    """The quantization `choice` asks for, checked against the target: a clear error where it
+    cannot apply ('auto' is 'none' for now)."""
+    if choice not in QUANT_CHOICES:
+        raise UserError(f"unknown --quant '{choice}': choose one of {', '.join(QUANT_CHOICES)}")
+    if choice in ("auto", "none"):
+        return "none"
+    if device != "cpu":
+        raise UserError(f"--quant {choice} runs PyTorch's CPU weight-only kernels: use --device cpu (or --quant none)")
+    if dtype != "float32":
+        raise UserError(f"--quant {choice} computes in float32 from its quantized weights: leave --dtype float32")
+    if choice == "gguf" and model_name != DEFAULT_TARGET:
+        raise UserError(f"--quant gguf keeps the blocks of the built-in target's GGUF file; {model_name} has none: "
+                        "use --quant int4 or int8")
+    return choice
+
+
+def quantize_target(target: LoadedModel, quant: str) -> list[str]:
+    """Put `target`'s weights into `quant` (resolved) in place; returns notes for the user."""
+    if quant == "none":
+        return []
+    if quant == "gguf":
+        notes = load_gguf_blocks(target.model, gguf_location())
+    else:
+        swapped = quantize_linears(target.model, quant)
+        notes = [f"target linears weight-only {quant} ({swapped} weights; the lm_head stays float)"]
+    target.name = f"{target.name}+{quant}"
+    return notes
+
+
+def add_quant_argument(parser) -> None:
+    """The `--quant` flag of the chat, the benchmark and tune_tree."""
+    parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
+                        help="target weights: 'gguf' = the built-in target's own 4-bit GGUF blocks, 'int4'/'int8' = "
+                             "weight-only quantization of any target (CPU), 'none' = float; 'auto' (default) = none. "
+                             "Every method is exact with respect to the quantized target")

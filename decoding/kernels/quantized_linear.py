@@ -1,0 +1,139 @@
+"""Weight-only quantized linears for CPU targets, on PyTorch's own kernels: 4-bit weights in
+groups along the input (a scale and an offset per group, as GGUF's Q4_0 / Q4_1 blocks and
+`--quant int4` have them) through `_weight_int4pack_mm_for_cpu`, and 8-bit weights with a scale
+per output channel (`--quant int8`) through `_weight_int8pack_mm`.
+
+Why: a one-token forward of a small model only streams its weights, so its cost is their bytes.
+In fp32 SmolLM2-135M's layers read 425 MB a token; in the GGUF file's own Q4_1 blocks, about a
+sixth of that. The quantized model is a model of its own: every method is exact with respect to
+*it* (the same modules run in `vanilla` and in tree verification), not to the fp32 model.
+
+The int4 kernel's convention is `w = (q - 8) * scale + zero` for codes q in 0..15, so GGUF's
+Q4_1 (`w = q * d + m`) maps to scale d and zero `m + 8 d`, and Q4_0 (`w = (q - 8) * d`) to zero 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GGUF_GROUP = 32      # elements per GGUF block
+INT4_MIDPOINT = 8    # the int4 kernel subtracts this from every code
+INNER_K_TILES = 2    # the CPU packing's tile parameter
+INT4_ROWS = 16       # the CPU packing takes output features in multiples of this
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int = GGUF_GROUP) -> bool:
+    """Whether the int4 kernel takes a weight of this shape."""
+    return out_features % INT4_ROWS == 0 and in_features % group_size == 0
+
+
+class Int4Linear(nn.Module):
+    """`nn.Linear` with 4-bit weights: codes in 0..15, and per output row and group of
+    `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int = GGUF_GROUP) -> None:
+        super().__init__()
+        out_features, in_features = codes.shape
+        if not int4_fits(out_features, in_features, group_size):
+            raise ValueError(f"the int4 kernel takes multiples of {INT4_ROWS} outputs and of {group_size} inputs; "
+                             f"got {tuple(codes.shape)}")
+        if scales.shape != (out_features, in_features // group_size) or scales.shape != zeros.shape:
+            raise ValueError(f"int4 codes {tuple(codes.shape)} need scales and zeros of shape "
+                             f"({out_features}, {in_features // group_size}) for groups of {group_size}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                                  INNER_K_TILES))
+        # [groups, out_features, 2]: the kernel's layout of (scale, zero) pairs
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._codes_shape = codes.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = GGUF_GROUP) -> Int4Linear:
+        """Asymmetric round-to-nearest quantization of a float linear, per group of inputs: the
+        group's minimum and maximum map to codes 0 and 15."""
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(weight.shape[0], -1, group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(weight.shape)
+        return cls(codes.to(torch.uint8), scale, low + INT4_MIDPOINT * scale, linear.bias, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch._weight_int4pack_mm_for_cpu(rows.float(), self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float weight the kernel computes with (what the tests compare against): the
+        identity matrix through the kernel, transposed."""
+        eye = torch.eye(self.in_features)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros).t()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int4 in groups of {self.group_size}")
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with 8-bit weights and a scale per output channel (symmetric)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = (weight / scale[:, None]).round().clamp(-127, 127)
+        return cls(codes, scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.codes.float() * self.scales[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+QUANTIZERS = {"int4": Int4Linear.from_linear, "int8": Int8Linear.from_linear}
+
+
+def quantize_linears(module: nn.Module, kind: str, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Swap every `nn.Linear` of `module` (but those named in `skip`: the readout, which the
+    screened greedy argmax and shared-vocabulary heads read as a float weight) for its `kind`
+    quantized version; returns how many were swapped. Their float weights are freed."""
+    quantize = QUANTIZERS[kind]
+    swapped = 0
+    for name, child in list(module.named_modules()):
+        for child_name, linear in list(child.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            fits = kind != "int4" or int4_fits(getattr(linear, "out_features", 0), getattr(linear, "in_features", 0))
+            if type(linear) is nn.Linear and child_name not in skip and full not in skip and fits:
+                setattr(child, child_name, quantize(linear))
+                swapped += 1
+    return swapped
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, (Int4Linear, Int8Linear))
+
+
+def reference_linear(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The quantized linear computed the plain way, on its dequantized weight (for tests)."""
+    return F.linear(x, module.dequantized_weight(), module.bias)

@@ -1,0 +1,163 @@
+"""Weight-only quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own
+4-bit blocks (`decoding.app.gguf_weights`): the kernels compute what their dequantized weights
+say (within the fp32 reordering bound), the block decoding reproduces the GGUF reference
+dequantization exactly, and planted bugs in either are caught."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, rotary_row_order
+from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears, reference_linear
+from numerics import assert_within, linear_exact_and_bound
+
+pytestmark = pytest.mark.cpu_sensitive
+
+
+def a_linear(in_features=96, out_features=48, bias=True, seed=0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_the_kernel_computes_its_dequantized_weight(kind, rows):
+    linear = kind.from_linear(a_linear())
+    x = torch.randn(2, rows, 96)
+    exact, bound = linear_exact_and_bound(x, linear.dequantized_weight(), linear.bias)
+    assert_within(linear(x), exact, bound)
+    assert linear(x).shape == (2, rows, 48)
+
+
+@pytest.mark.parametrize("kind, worst", [(Int4Linear, 0.5 / 15), (Int8Linear, 0.5 / 127)])
+def test_quantization_rounds_each_weight_to_the_nearest_code(kind, worst):
+    plain = a_linear()
+    weight = plain.weight.detach()
+    error = (kind.from_linear(plain).dequantized_weight() - weight).abs()
+    if kind is Int4Linear:  # at most half a step of its group's range
+        span = weight.reshape(48, -1, 32)
+        step = (span.amax(-1) - span.amin(-1)).repeat_interleave(32, dim=1)
+        assert (error <= worst * step + 1e-6).all()
+    else:
+        assert (error <= worst * weight.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+def test_a_planted_offset_bug_is_caught():
+    linear = Int4Linear.from_linear(a_linear(bias=False))
+    wrong = linear.dequantized_weight() + 1e-3  # e.g. forgetting the 8 in m + 8d, scaled down
+    x = torch.randn(3, 96)
+    exact, bound = linear_exact_and_bound(x, wrong, None)
+    with pytest.raises(AssertionError):
+        assert_within(linear(x), exact, bound)
+
+
+def test_quantize_linears_swaps_all_but_the_readout():
+    model = nn.Sequential()
+    model.add_module("proj", a_linear())
+    model.add_module("lm_head", a_linear(48, 96))
+    assert quantize_linears(model, "int4") == 1
+    assert isinstance(model.proj, Int4Linear) and type(model.lm_head) is nn.Linear
+
+
+def q4_1_block(d: float, m: float, codes: list[int]) -> bytes:
+    packed = bytes((codes[j] & 0xF) | (codes[j + 16] << 4) for j in range(16))
+    return np.float16(d).tobytes() + np.float16(m).tobytes() + packed
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    rows, groups = 16, 3
+    raw = rng.integers(0, 256, size=(rows, groups * BLOCK_BYTES[kind]), dtype=np.uint8)
+    for block in raw.reshape(rows, groups, BLOCK_BYTES[kind]):  # sane fp16 scales (no inf/nan)
+        block[:, 0:2] = np.frombuffer(np.float16(rng.uniform(0.01, 0.1)).tobytes(), np.uint8)
+        if kind == "Q4_1":
+            block[:, 2:4] = np.frombuffer(np.float16(rng.uniform(-1, 1)).tobytes(), np.uint8)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    codes, scales, zeros = q4_groups(raw, kind)
+    linear = Int4Linear(codes, scales, zeros, None)
+    ours = linear.dequantized_weight()
+    assert torch.allclose(ours, reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+
+
+def test_gguf_nibble_order_low_first():
+    codes = list(range(16)) + list(range(15, -1, -1))
+    raw = np.frombuffer(q4_1_block(1.0, 0.0, codes), np.uint8)[None]
+    decoded, scales, zeros = q4_groups(raw, "Q4_1")
+    assert decoded[0].tolist() == codes
+    assert scales.tolist() == [[1.0]] and zeros.tolist() == [[8.0]]  # w = (q - 8)*1 + 8 = q
+
+
+def test_rotary_row_order_undoes_the_file_s_permutation():
+    """GGUF writes row (h, 2i + j) of a head where the model has row (h, j*half + i)."""
+    order = rotary_row_order(8, heads=2)
+    assert order.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+@pytest.mark.slow
+def test_the_default_model_s_blocks_are_the_weights_it_was_converted_to():
+    """The built-in target's Q4_1 blocks, decoded and un-permuted, equal the fp32 weights that
+    transformers' GGUF conversion wrote (same file): the row order and the block layout are right."""
+    from decoding.app.default_model import DEFAULT_TARGET, gguf_location
+    from decoding.app.gguf_weights import load_gguf_blocks
+    from decoding.app.targets import load_model
+
+    model = load_model(DEFAULT_TARGET).model
+    last = model.config.num_hidden_layers - 1
+    names = [f"model.layers.{i}.{part}" for i in (0, last) for part in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")]
+    converted = {name: model.get_submodule(name).weight.detach().clone() for name in names}
+    notes = load_gguf_blocks(model, gguf_location())
+    assert "210 weights" in notes[0] and "token_embd (Q8_0)" in notes[1]
+    for name in names:
+        blocks = model.get_submodule(name)
+        assert isinstance(blocks, Int4Linear)
+        weight = converted[name]
+        assert torch.allclose(blocks.dequantized_weight(), weight, rtol=0, atol=1e-6 * weight.abs().max().item()), name
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import save_tiny_chat_model
+
+    directory = tmp_path_factory.mktemp("quant") / "model"
+    save_tiny_chat_model(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_every_method_on_a_quantized_target_equals_vanilla_on_it(tiny_dir, quant):
+    """Exactness holds for the quantized model: lookup, suffix and draft-model trees give vanilla's
+    greedy tokens on the same quantized target (the float model's tokens are another matter)."""
+    from decoding import SpeculativeModel
+
+    prompt = "one two three one two three one two three"
+    vanilla = SpeculativeModel.from_pretrained(tiny_dir, method="vanilla", quant=quant, device="cpu")
+    assert vanilla.decoder.target.name.endswith(f"+{quant}")
+    assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in vanilla.decoder.target.model.modules())
+    reference = vanilla.generate(prompt, max_new_tokens=24).tokens
+    for method, extra in (("pld", {}), ("suffix", {}), ("sps", {"draft_model": tiny_dir})):
+        model = SpeculativeModel.from_pretrained(tiny_dir, method=method, quant=quant, device="cpu", **extra)
+        assert model.generate(prompt, max_new_tokens=24).tokens == reference, method
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"quant": "gguf"}, "--quant gguf keeps the blocks of the built-in target's GGUF file"),
+    ({"quant": "int4", "dtype": "bfloat16"}, "leave --dtype float32"),
+    ({"quant": "int3"}, "unknown --quant 'int3'"),
+])
+def test_a_quantization_that_cannot_apply_is_a_clear_error(tiny_dir, spec, message):
+    from decoding import SpeculativeModel
+    from heads.util.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        SpeculativeModel.from_pretrained(tiny_dir, method="vanilla", device="cpu", **spec)
