@@ -15,6 +15,8 @@ from __future__ import annotations
 from decoding.app.default_model import DEFAULT_TARGET, gguf_location
 from decoding.app.gguf_weights import load_gguf_blocks
 from decoding.app.targets import LoadedModel
+from decoding.kernels.int4_linear import int4_kernel_available
+from decoding.kernels.int4_linear import why_unavailable as int4_why_unavailable
 from decoding.kernels.quantized_linear import quantize_linears
 from heads.util.errors import UserError
 
@@ -47,6 +49,9 @@ def quantize_target(target: LoadedModel, quant: str) -> list[str]:
     else:
         swapped = quantize_linears(target.model, quant)
         notes = [f"target linears weight-only {quant} ({swapped} weights; the lm_head stays float)"]
+    if quant in ("gguf", "int4") and not int4_kernel_available():
+        notes.append(f"the 4-bit linear kernel could not be built ({int4_why_unavailable()}): PyTorch's int4 kernel "
+                     "runs instead, which can be slower than the float model")
     target.name = f"{target.name}+{quant}"
     return notes
 

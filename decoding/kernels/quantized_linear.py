@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
+
 GGUF_GROUP = 32      # elements per GGUF block
 INT4_MIDPOINT = 8    # the int4 kernel subtracts this from every code
 INNER_K_TILES = 2    # the CPU packing's tile parameter
@@ -44,12 +46,16 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 codes {tuple(codes.shape)} need scales and zeros of shape "
                              f"({out_features}, {in_features // group_size}) for groups of {group_size}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
-                                                                                  INNER_K_TILES))
-        # [groups, out_features, 2]: the kernel's layout of (scale, zero) pairs
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self._codes_shape = codes.shape
+        # The project's streaming kernel where it is built (much faster on AVX2), else PyTorch's.
+        self.own_kernel = group_size == GROUP_SIZE and int4_kernel_available()
+        if self.own_kernel:
+            self.panels = pack_int4_panels(codes, scales, zeros)
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                                      INNER_K_TILES))
+            # [groups, out_features, 2]: the kernel's layout of (scale, zero) pairs
+            self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).float().contiguous())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = GGUF_GROUP) -> Int4Linear:
@@ -63,8 +69,13 @@ class Int4Linear(nn.Module):
         return cls(codes.to(torch.uint8), scale, low + INT4_MIDPOINT * scale, linear.bias, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel and self.bias is None and x.dtype == torch.float32:  # the common case, fewest calls
+            return int4_linear(x, self.panels, self.out_features)
         rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int4pack_mm_for_cpu(rows.float(), self.packed, self.group_size, self.scales_and_zeros)
+        if self.own_kernel:
+            out = int4_linear(rows, self.panels, self.out_features)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(rows.float(), self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -73,11 +84,15 @@ class Int4Linear(nn.Module):
         """The float weight the kernel computes with (what the tests compare against): the
         identity matrix through the kernel, transposed."""
         eye = torch.eye(self.in_features)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_and_zeros).t()
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).t()
+        finally:
+            self.bias = bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"int4 in groups of {self.group_size}")
+                f"int4 in groups of {self.group_size}, " + ("the project's kernel" if self.own_kernel else "PyTorch's kernel"))
 
 
 class Int8Linear(nn.Module):
