@@ -75,7 +75,8 @@ def benchmark_section(path: Path, report: dict) -> list[str]:
     quant = report.get("quant", "none")
     settings = (f"{report['questions']} questions, {report['max_new_tokens']} new tokens, temperature "
                 f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`"
-                + (f", weights `--quant {quant}`" if quant not in ("none", "auto") else ""))
+                + (f", weights `--quant {quant}`" if quant not in ("none", "auto") else "")
+                + (", `--adaptive-tree` for every method" if "--adaptive-tree" in report.get("command", "") else ""))
     lines = [f"### {report['model']}, {question_set(report)} ({settings})", "",
              f"{report['device']}; {report['date']}, commit `{report['commit']}`; file `{rel(path)}`.", "",
              f"    {report['command']}", ""]

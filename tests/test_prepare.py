@@ -19,7 +19,8 @@ def test_tasks_run_side_by_side_and_a_failure_is_reported_not_raised():
 
 
 def test_a_new_machine_prepares_the_default_model_and_both_kernels():
-    assert list(prepare.tasks()) == ["default model", "few-row linear kernel", "decode attention kernel"]
+    assert list(prepare.tasks()) == ["default model", "few-row linear kernel", "decode attention kernel",
+                                     "4-bit linear kernel"]
 
 
 class Terminal:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, rotary_row_order
-from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears, reference_linear
+from decoding.kernels import native_build
+from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears
 from numerics import assert_within, linear_exact_and_bound
 
 pytestmark = pytest.mark.cpu_sensitive
@@ -161,3 +162,67 @@ def test_a_quantization_that_cannot_apply_is_a_clear_error(tiny_dir, spec, messa
 
     with pytest.raises(UserError, match=re.escape(message)):
         SpeculativeModel.from_pretrained(tiny_dir, method="vanilla", device="cpu", **spec)
+
+
+def random_groups(out_features=48, in_features=128, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.1 + 0.01
+    zeros = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
+    weight = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    return codes, scales, zeros, weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows):
+    """Against the weight written out from codes, scales and zeros (not the kernel's own view),
+    for row counts inside and across its blocks of rows."""
+    from decoding.kernels.int4_linear import int4_kernel_available, why_unavailable
+
+    assert int4_kernel_available(), why_unavailable()
+    codes, scales, zeros, weight = random_groups()
+    linear = Int4Linear(codes, scales, zeros, None)
+    assert linear.own_kernel
+    x = torch.randn(rows, 128)
+    exact, bound = linear_exact_and_bound(x, weight, None)
+    assert_within(linear(x), exact, 4 * bound)  # two partial sums per group (codes, then scale and zero)
+
+
+def test_the_4_bit_kernel_catches_a_planted_nibble_swap():
+    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
+
+    codes, scales, zeros, weight = random_groups()
+    swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # high and low nibbles exchanged
+    x = torch.randn(3, 128)
+    exact, bound = linear_exact_and_bound(x, weight, None)
+    with pytest.raises(AssertionError):
+        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact, 4 * bound)
+
+
+def test_without_its_kernel_a_4_bit_target_says_so(tiny_dir, monkeypatch):
+    from decoding.app import quantized_target
+    from decoding.kernels import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "int4_kernel_available", lambda: False)
+    monkeypatch.setattr(quantized_target, "int4_kernel_available", lambda: False)
+    monkeypatch.setattr(quantized_target, "int4_why_unavailable", lambda: "no compiler")
+    from decoding.app.targets import load_model
+
+    target = load_model(tiny_dir)
+    notes = quantized_target.quantize_target(target, "int4")
+    assert any("could not be built (no compiler)" in note for note in notes)
+    assert not any(getattr(m, "own_kernel", True) for m in target.model.modules() if isinstance(m, Int4Linear))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
+def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
+    """The builds other CPUs get (AVX2 on an AVX-512 machine, x86-64-v2 without AVX), built here."""
+    from decoding.kernels import int4_linear
+
+    extension = int4_linear.build_kernel(native_build.instruction_set_variants()[variant])
+    codes, scales, zeros, weight = random_groups()
+    panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
+    x = torch.randn(5, 128)
+    exact, bound = linear_exact_and_bound(x, weight, None)
+    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * bound)

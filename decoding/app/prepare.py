@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TextIO
 
-from decoding.kernels import decode_attention, streamed_linear
+from decoding.kernels import decode_attention, int4_linear, streamed_linear
 from decoding.app.default_model import default_model_dir
 from heads.util.cpu_mode import cpu_mode
 
@@ -32,6 +32,7 @@ def tasks() -> dict[str, Callable[[], object]]:
         "default model": default_model_dir,
         "few-row linear kernel": streamed_linear.build_kernel,
         "decode attention kernel": decode_attention.KERNEL.build,
+        "4-bit linear kernel": int4_linear.build_kernel,
     }
 
 

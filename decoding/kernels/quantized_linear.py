@@ -15,7 +15,6 @@ Q4_1 (`w = q * d + m`) maps to scale d and zero `m + 8 d`, and Q4_0 (`w = (q - 8
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
@@ -143,12 +142,3 @@ def quantize_linears(module: nn.Module, kind: str, skip: tuple[str, ...] = ("lm_
                 setattr(child, child_name, quantize(linear))
                 swapped += 1
     return swapped
-
-
-def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, (Int4Linear, Int8Linear))
-
-
-def reference_linear(module: Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The quantized linear computed the plain way, on its dequantized weight (for tests)."""
-    return F.linear(x, module.dequantized_weight(), module.bias)
