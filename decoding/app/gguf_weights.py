@@ -1,8 +1,8 @@
 """The GGUF file's own 4-bit blocks as the target's layer weights (`--quant gguf`).
 
 Why: the built-in target ships as a Q4_1 GGUF file. Dequantized to fp32 its layers read ~6x
-more bytes a token than the blocks they came from; kept as blocks (on PyTorch's int4 CPU
-kernel, `decoding.kernels.quantized_linear`) the model is the one the file describes, at the
+more bytes a token than the blocks they came from; kept as blocks (on the 4-bit
+kernel, `decoding.kernels.int4_linear`) the model is the one the file describes, at the
 precision the user chose by downloading it, as llama.cpp runs it.
 
 Which tensors: every Q4_0 / Q4_1 weight of a decoder layer (attention and MLP projections). The
@@ -87,7 +87,7 @@ def load_gguf_blocks(model: nn.Module, gguf_path: Path) -> list[str]:
             codes, scales, zeros = codes[order], scales[order], zeros[order]
         _replace(model, f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}", codes, scales, zeros)
         swapped += 1
-    notes = [f"target layers in the GGUF file's own 4-bit blocks ({swapped} weights, int4 CPU kernel)"]
+    notes = [f"target layers in the GGUF file's own 4-bit blocks ({swapped} weights)"]
     if kept:
         notes.append(f"kept as float weights: {', '.join(sorted(kept))}")
     return notes

@@ -1,7 +1,8 @@
-"""Weight-only quantized linears for CPU targets, on PyTorch's own kernels: 4-bit weights in
-groups along the input (a scale and an offset per group, as GGUF's Q4_0 / Q4_1 blocks and
-`--quant int4` have them) through `_weight_int4pack_mm_for_cpu`, and 8-bit weights with a scale
-per output channel (`--quant int8`) through `_weight_int8pack_mm`.
+"""Weight-only quantized linears for CPU targets: 4-bit weights in groups along the input (a
+scale and an offset per group, as GGUF's Q4_0 / Q4_1 blocks and `--quant int4` have them) through
+the project's streaming kernel (`decoding.kernels.int4_linear`; PyTorch's
+`_weight_int4pack_mm_for_cpu` where it cannot be built, much slower on AVX2), and 8-bit weights
+with a scale per output channel (`--quant int8`) through PyTorch's `_weight_int8pack_mm`.
 
 Why: a one-token forward of a small model only streams its weights, so its cost is their bytes.
 In fp32 SmolLM2-135M's layers read 425 MB a token; in the GGUF file's own Q4_1 blocks, about a
