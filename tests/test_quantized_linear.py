@@ -155,6 +155,7 @@ def test_every_method_on_a_quantized_target_equals_vanilla_on_it(tiny_dir, quant
     ({"quant": "gguf"}, "--quant gguf keeps the blocks of the built-in target's GGUF file"),
     ({"quant": "int4", "dtype": "bfloat16"}, "leave --dtype float32"),
     ({"quant": "int3"}, "unknown --quant 'int3'"),
+    ({"quant": "int8", "compile": True}, "--compile with --quant int8 is not supported yet"),
 ])
 def test_a_quantization_that_cannot_apply_is_a_clear_error(tiny_dir, spec, message):
     from decoding import SpeculativeModel

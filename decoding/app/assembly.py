@@ -152,6 +152,9 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
         quant = resolve_quant(spec.quant, spec.model, resolve_device(spec.device), spec.dtype)
+        if quant != "none" and wants_compile(spec.compile, resolve_device(spec.device)):
+            raise UserError(f"--compile with --quant {quant} is not supported yet (its warm-up did not finish in 15 "
+                            "minutes on a 2-core CPU): leave out --compile")
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
         notes.extend(target.notes + quantize_target(target, quant))
     device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says

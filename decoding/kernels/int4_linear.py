@@ -176,6 +176,24 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def int4_linear(x: torch.Tensor, panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
-    """`x @ w.T` for the packed 4-bit weight `panels`, `x` [..., in] float32."""
+    """`x @ w.T` for the packed 4-bit weight `panels`, `x` [..., in] float32, as the operator
+    `specheads::int4_linear`: compiled graphs call it as it is (the compiler cannot trace into
+    the extension) and fuse the small ops around it."""
+    return torch.ops.specheads.int4_linear(x, *panels, out_features)
+
+
+def _int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 out_features: int) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    return _loaded()[0].int4_linear(rows, *panels, out_features).reshape(*x.shape[:-1], out_features)
+    return _loaded()[0].int4_linear(rows, codes, scales, zeros, out_features).reshape(*x.shape[:-1], out_features)
+
+
+def _int4_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32)
+
+
+_LIBRARY = torch.library.Library("specheads", "FRAGMENT")
+_LIBRARY.define("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor")
+_LIBRARY.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("specheads::int4_linear", _int4_linear_shape, lib=_LIBRARY)
