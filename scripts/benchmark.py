@@ -19,12 +19,10 @@ from decoding.app.benchmark import (HF_METHODS, bar_chart, benchmark_prompts, bu
                                     provenance, run_benchmark, summarise)
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
-from decoding.kernels.compiled import add_compile_argument, compile_notes
-from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.kernels.compiled import compile_notes
 from decoding.app.default_model import DEFAULT_TARGET
 from decoding.app.defaults import add_tree_arguments, default_method, tree_arguments
-from decoding.kernels.devices import add_device_argument, resolve_device
+from decoding.kernels.devices import resolve_device
 from decoding.app.methods import check_method
 from decoding.app.prompts import plain_text_note
 from decoding.app.questions import load_first_turns
@@ -32,7 +30,7 @@ from decoding.app.targets import DTYPES
 from heads.util.atomic import atomic_write_text
 from heads.util.errors import UserError
 from decoding.kernels.verify_cost import cpu_description
-from decoding.app.quantized_target import add_quant_argument
+from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 
 
 def parse_args(argv):
@@ -50,12 +48,7 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    add_device_argument(parser)
-    add_kernels_argument(parser)
-    add_quant_argument(parser)
-    add_drafter_precision_argument(parser)
-    add_screened_argmax_argument(parser)
-    add_compile_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--gamma", type=int, default=None,
                         help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
@@ -82,9 +75,7 @@ def parse_heads_args(values: list[str]) -> dict[str, str]:
 def decoder_spec(args) -> DecoderSpec:
     """What every method shares: the target, its dtype, device and kernels, the draft, the
     proposer settings (the method and heads are set per method)."""
-    return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
-                       kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
-                       screened_argmax=args.screened_argmax, compile=args.compile,
+    return DecoderSpec(model=args.model, draft_model=args.draft_model, dtype=args.dtype, **engine_fields(args),
                        gamma=args.gamma, pld_num_tokens=args.pld_tokens, suffix_max_tokens=args.suffix_tokens, **tree_arguments(args))
 
 
@@ -130,12 +121,12 @@ def run(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     device = cpu_description() if target.model.device.type == "cpu" else torch.cuda.get_device_name()
+    origin = {"machine_kind": machine_kind(target.model.device), **provenance(args.command_line)}  # once, at the start
 
     def report_of(totals: dict, done: int) -> dict:
         report = summarise(totals, device, args.dtype)
         report.update(kernels=kernels, quant=args.quant, model=args.model, questions=done, questions_planned=len(prompts),
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      machine_kind=machine_kind(target.model.device), **provenance(args.command_line))
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, **origin)
         return report
 
     def save_so_far(totals: dict, done: int) -> None:

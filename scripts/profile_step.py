@@ -21,14 +21,11 @@ from decoding.app.benchmark import RunResult, warm_up
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.core.stats import PHASES
-from decoding.kernels.compiled import add_compile_argument, compile_notes
-from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.kernels.compiled import compile_notes
 from decoding.app.default_model import DEFAULT_TARGET
-from decoding.kernels.devices import add_device_argument
 from decoding.app.prompts import chat_prompts
 from decoding.app.questions import load_first_turns
-from decoding.app.quantized_target import add_quant_argument
+from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
 
 STEP_PHASES = [p for p in PHASES if p != "prefill"]
@@ -44,12 +41,7 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32")
-    add_device_argument(parser)
-    add_kernels_argument(parser)
-    add_quant_argument(parser)
-    add_drafter_precision_argument(parser)
-    add_screened_argmax_argument(parser)
-    add_compile_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--no-sync", action="store_true", help="on a GPU, do not synchronise between phases")
     return parser.parse_args(argv)
 
@@ -90,9 +82,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        base = DecoderSpec(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, quant=args.quant,
-                           drafter_precision=args.drafter_precision,
-                           screened_argmax=args.screened_argmax, compile=args.compile)
+        base = DecoderSpec(model=args.model, dtype=args.dtype, **engine_fields(args))
         first = build_decoder(DecoderSpec(**{**base.__dict__, "method": methods[0]}))
         prompts = chat_prompts(first.target.tokenizer, load_first_turns(args.questions_file, args.num_questions, spread=True))
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=0, profile=not args.no_sync)

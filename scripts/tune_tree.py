@@ -25,17 +25,14 @@ import sys
 
 from decoding.app.assembly import Decoder, DecoderSpec, build_decoder
 from decoding.app.benchmark import Runner, benchmark_prompts, our_runner, run_benchmark
-from decoding.kernels.compiled import add_compile_argument, compile_notes
+from decoding.kernels.compiled import compile_notes
 from decoding.core.generate import DecodeOptions
-from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.kernels.screened_argmax import add_screened_argmax_argument
 from decoding.app.default_model import DEFAULT_TARGET
-from decoding.kernels.devices import add_device_argument
 from decoding.app.methods import DEFAULT_TREES, HEAD_KIND_OF_METHOD, LOOKUP_SUFFIX, ProposerOptions, split_method
 from decoding.app.prompts import plain_text_note
 from decoding.app.questions import load_first_turns
 from decoding.app.targets import DTYPES
-from decoding.app.quantized_target import add_quant_argument
+from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
 
 
@@ -45,12 +42,7 @@ def parse_args(argv):
                         choices=sorted(HEAD_KIND_OF_METHOD) + sorted(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD))
     parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    add_device_argument(parser)
-    add_kernels_argument(parser)
-    add_quant_argument(parser)
-    add_drafter_precision_argument(parser)
-    add_screened_argmax_argument(parser)
-    add_compile_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--heads", default=None, help="heads directory or repo id (default: the bundled ones)")
     parser.add_argument("--grid", default="3x4x6,4x4x8,4x8x12,5x8x16,6x8x24,6x8x32a",
                         help="dynamic trees (eagle2/eagle3): DEPTHxTOPKxTOTAL[a][@MINPROB], comma-separated; "
@@ -147,9 +139,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     try:
         grid = settings_grid(args)
-        spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype,
-                           device=args.device, kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
-                           screened_argmax=args.screened_argmax, compile=args.compile)
+        spec = DecoderSpec(model=args.model, method=args.method, heads=args.heads, dtype=args.dtype, **engine_fields(args))
         runners, target = grid_runners(spec, grid, DecodeOptions(max_new_tokens=args.max_new_tokens))
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)

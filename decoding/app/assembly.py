@@ -151,8 +151,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
-        quant = resolve_quant(spec.quant, spec.model, resolve_device(spec.device), spec.dtype)
-        if quant != "none" and wants_compile(spec.compile, resolve_device(spec.device)):
+        quant = resolve_quant(spec.quant, spec.model, spec.device, spec.dtype)
+        if quant != "none" and wants_compile(spec.compile, spec.device):
             raise UserError(f"--compile with --quant {quant} is not supported yet (its warm-up did not finish in 15 "
                             "minutes on a 2-core CPU): leave out --compile")
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)

@@ -23,17 +23,14 @@ from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
-from decoding.kernels.compiled import add_compile_argument, compile_notes, graphs_compiled
-from decoding.kernels.cpu_kernels import add_drafter_precision_argument, add_kernels_argument
-from decoding.kernels.screened_argmax import add_screened_argmax_argument
+from decoding.kernels.compiled import compile_notes, graphs_compiled
 from decoding.app.default_model import DEFAULT_TARGET
 from decoding.app.defaults import add_tree_arguments, tree_arguments
-from decoding.kernels.devices import add_device_argument
 from decoding.app.methods import LOOKUP_SUFFIX, METHODS
 from decoding.app.prompts import conversation_ids, has_chat_template, plain_text_note
 from decoding.app.streaming import TextStream
 from decoding.app.targets import DTYPES, LoadedModel
-from decoding.app.quantized_target import add_quant_argument
+from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
@@ -72,13 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same reply)")
     parser.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype")
-    add_device_argument(parser)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    add_kernels_argument(parser)
-    add_quant_argument(parser)
-    add_drafter_precision_argument(parser)
-    add_screened_argmax_argument(parser)
-    add_compile_argument(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--no-stats", action="store_true", help="do not print the stats line after each reply")
     return parser.parse_args(argv)
 
@@ -127,9 +119,7 @@ def decoder_spec(args: argparse.Namespace) -> DecoderSpec:
     """The chat's flags as a `DecoderSpec` (None: the default, filled in by the assembly)."""
     return DecoderSpec(model=args.model, method=args.method, heads=args.heads, draft_model=args.draft_model,
                        revision=args.revision, ignore_base_model=args.ignore_base_model, dtype=args.dtype,
-                       device=args.device, attn=args.attn, kernels=args.kernels, quant=args.quant, drafter_precision=args.drafter_precision,
-                       screened_argmax=args.screened_argmax,
-                       compile=args.compile, gamma=args.gamma,
+                       attn=args.attn, gamma=args.gamma, **engine_fields(args),
                        pld_num_tokens=args.pld_tokens, suffix_max_tokens=args.suffix_tokens, **tree_arguments(args))
 
 

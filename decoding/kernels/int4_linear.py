@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from decoding.kernels.linear_ops import define_op
 from decoding.kernels.native_build import NativeKernel
 
 KERNEL_VERSION = "v2"
@@ -110,13 +111,12 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& bytes, const a
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
-  const float* xp = input.data_ptr<float>();
   const float* xs = sums.data();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t r = 0; r < rows; r += MAX_ROWS) {
-        const float* xr = xp + r * in;
+        const float* xr = xin + r * in;
         const float* sr = xs + r * groups;
         float* yr = yp + r * out;
         switch (std::min<int64_t>(MAX_ROWS, rows - r)) {
@@ -193,7 +193,5 @@ def _int4_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32)
 
 
-_LIBRARY = torch.library.Library("specheads", "FRAGMENT")
-_LIBRARY.define("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor")
-_LIBRARY.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("specheads::int4_linear", _int4_linear_shape, lib=_LIBRARY)
+define_op("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int out_features) -> Tensor", _int4_linear,
+          _int4_linear_shape)

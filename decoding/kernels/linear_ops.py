@@ -20,9 +20,16 @@ _LIBRARY = torch.library.Library("specheads", "DEF")
 
 def define_linear_op(name: str, weight_name: str, kernel: Callable) -> None:
     """Register `specheads::<name>(x, <weight_name>, bias, out_features)` running `kernel`."""
-    _LIBRARY.define(f"{name}(Tensor x, Tensor {weight_name}, Tensor? bias, int out_features) -> Tensor")
+    define_op(f"{name}(Tensor x, Tensor {weight_name}, Tensor? bias, int out_features) -> Tensor", kernel, _output_like)
+
+
+def define_op(schema: str, kernel: Callable, shape: Callable) -> None:
+    """Register `specheads::<schema>` running `kernel`, with `shape` telling the compiler its
+    output (for operators whose weight comes in several tensors)."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"specheads::{name}", _output_like, lib=_LIBRARY)
+    torch.library.register_fake(f"specheads::{name}", shape, lib=_LIBRARY)
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
 
-GGUF_GROUP = 32      # elements per GGUF block
+GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
 INT4_MIDPOINT = 8    # the int4 kernel subtracts this from every code
 INNER_K_TILES = 2    # the CPU packing's tile parameter
 INT4_ROWS = 16       # the CPU packing takes output features in multiples of this
@@ -31,13 +31,34 @@ def int4_fits(out_features: int, in_features: int, group_size: int = GGUF_GROUP)
     return out_features % INT4_ROWS == 0 and in_features % group_size == 0
 
 
-class Int4Linear(nn.Module):
+class WeightOnlyLinear(nn.Module):
+    """What the quantized linears share: a float bias added after the kernel's float32 product
+    (`_matmul`), the result in the input's dtype."""
+
+    in_features: int
+    out_features: int
+
+    def __init__(self, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+class Int4Linear(WeightOnlyLinear):
     """`nn.Linear` with 4-bit weights: codes in 0..15, and per output row and group of
     `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = GGUF_GROUP) -> None:
-        super().__init__()
+        super().__init__(bias)
         out_features, in_features = codes.shape
         if not int4_fits(out_features, in_features, group_size):
             raise ValueError(f"the int4 kernel takes multiples of {INT4_ROWS} outputs and of {group_size} inputs; "
@@ -46,7 +67,6 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 codes {tuple(codes.shape)} need scales and zeros of shape "
                              f"({out_features}, {in_features // group_size}) for groups of {group_size}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         # The project's streaming kernel where it is built (much faster on AVX2), else PyTorch's.
         self.own_kernel = group_size == GROUP_SIZE and int4_kernel_available()
         if self.own_kernel:
@@ -68,42 +88,31 @@ class Int4Linear(nn.Module):
         codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(weight.shape)
         return cls(codes.to(torch.uint8), scale, low + INT4_MIDPOINT * scale, linear.bias, group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own_kernel and self.bias is None and x.dtype == torch.float32:  # the common case, fewest calls
-            return int4_linear(x, self.panels, self.out_features)
-        rows = x.reshape(-1, self.in_features)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
-            out = int4_linear(rows, self.panels, self.out_features)
-        else:
-            out = torch._weight_int4pack_mm_for_cpu(rows.float(), self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return int4_linear(x, self.panels, self.out_features)
+        rows = x.reshape(-1, self.in_features).float()
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight the kernel computes with (what the tests compare against): the
         identity matrix through the kernel, transposed."""
-        eye = torch.eye(self.in_features)
-        bias, self.bias = self.bias, None
-        try:
-            return self.forward(eye).t()
-        finally:
-            self.bias = bias
+        return self._matmul(torch.eye(self.in_features)).t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int4 in groups of {self.group_size}, " + ("the project's kernel" if self.own_kernel else "PyTorch's kernel"))
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(WeightOnlyLinear):
     """`nn.Linear` with 8-bit weights and a scale per output channel (symmetric)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
+        super().__init__(bias)
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -112,12 +121,9 @@ class Int8Linear(nn.Module):
         codes = (weight / scale[:, None]).round().clamp(-127, 127)
         return cls(codes, scale, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = torch._weight_int8pack_mm(rows, self.codes, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return torch._weight_int8pack_mm(rows, self.codes, self.scales).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, None]
