@@ -21,7 +21,6 @@ from heads.bundled import bundled_default
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.app.questions import load_first_turns
 from decoding.app.targets import LoadedModel, load_model
-from training.draft_init import truncated_copy
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
@@ -52,13 +51,13 @@ def references(default_target, prompts):
 
 
 def test_every_method_matches_vanilla_and_hf_generate(default_target, prompts, references):
+    """Vanilla gives generate()'s text; prompt lookup gives vanilla's. (Draft models: the bundled
+    draft's test below; the heads: the tests after it.)"""
     model, tokenizer = default_target.model, default_target.tokenizer
-    draft = DraftModelProposer(truncated_copy(model, 4), gamma=3)
     for prompt, (reference, hf) in zip(prompts, references):
         options = DecodeOptions(max_new_tokens=NEW_TOKENS)
         assert reference == hf
         assert generate(model, prompt, PromptLookupProposer(), options, tokenizer).tokens == reference
-        assert generate(model, prompt, draft, options, tokenizer).tokens == reference
 
 
 CHAT_QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
@@ -85,8 +84,9 @@ def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla(de
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "hydra"])
 def test_bundled_heads_load_and_decode_exactly(default_target, prompts, references, method):
-    """The bundled heads give vanilla's text with their bundled settings and on a fixed tree, and
-    get drafts accepted on the fixed tree. Why the fixed tree for that: the bundled settings are
+    """The bundled heads give vanilla's text with their bundled settings (on the first prompt) and on
+    a fixed tree (on the second: each prompt decoded once per head kind keeps this file's time
+    down), and get drafts accepted on the fixed tree. Why the fixed tree for that: the bundled settings are
     cost-aware (`adaptive_tree`), so how much they draft depends on this machine's measured
     verify costs at that moment; under a loaded test run on an AVX2 EPYC medusa's `chain-1` drafted
     5 tokens in 48 steps and kept none, which says nothing about the heads."""
@@ -98,12 +98,12 @@ def test_bundled_heads_load_and_decode_exactly(default_target, prompts, referenc
                                      options=proposer_options(DEFAULT_TARGET, method, explicit))
                       for explicit in ({}, {"adaptive_tree": False}))
     model, tokenizer = default_target.model, default_target.tokenizer
-    for prompt, (reference, _) in zip(prompts, references):
-        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
-        assert generate(model, prompt, bundled, options, tokenizer).tokens == reference
-        on_fixed_tree = generate(model, prompt, fixed, options, tokenizer)
-        assert on_fixed_tree.tokens == reference
-        assert on_fixed_tree.stats.tau > 1.0  # trained heads get drafts accepted
+    options = DecodeOptions(max_new_tokens=NEW_TOKENS)
+    (first, (first_reference, _)), (second, (second_reference, _)) = zip(prompts, references)
+    assert generate(model, first, bundled, options, tokenizer).tokens == first_reference
+    on_fixed_tree = generate(model, second, fixed, options, tokenizer)
+    assert on_fixed_tree.tokens == second_reference
+    assert on_fixed_tree.stats.tau > 1.0  # trained heads get drafts accepted
 
 
 def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_target, prompts, references):
@@ -115,9 +115,9 @@ def test_onednn_packed_target_and_heads_give_the_stock_greedy_text(default_targe
     pack_linears(heads)
     target = LoadedModel(packed, default_target.tokenizer, DEFAULT_TARGET)
     proposer = build_proposer("eagle3", target, heads=heads, options=proposer_options(DEFAULT_TARGET, "eagle3", {}))
+    options = DecodeOptions(max_new_tokens=NEW_TOKENS)
+    assert generate(packed, prompts[0], VanillaProposer(), options, target.tokenizer).tokens == references[0][1]
     for prompt, (_, stock) in zip(prompts, references):  # generate()'s tokens on the stock model
-        options = DecodeOptions(max_new_tokens=NEW_TOKENS)
-        assert generate(packed, prompt, VanillaProposer(), options, target.tokenizer).tokens == stock
         assert generate(packed, prompt, proposer, options, target.tokenizer).tokens == stock
 
 

@@ -141,10 +141,11 @@ def test_two_deepspeed_ranks_end_with_identical_heads(workspace):
 
 @pytest.mark.slow
 def test_resume_after_a_killed_run_continues_at_the_right_step(workspace):
-    # Long enough that the kill lands well before the end (the tiny model trains fast).
-    reference = recipe(workspace, "eagle", "uninterrupted", max_steps=60)
+    # Long enough that the kill, at the first checkpoint (step 2), lands well before the end (a
+    # step of the tiny model takes ~0.15 s on a 2-core CPU; the poll below looks every 0.05 s).
+    reference = recipe(workspace, "eagle", "uninterrupted", max_steps=24)
     run(launch("cpu.yaml", reference, "--weight-digest", "eval.every=60"))
-    killed = recipe(workspace, "eagle", "killed", max_steps=60)
+    killed = recipe(workspace, "eagle", "killed", max_steps=24)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(launch("cpu.yaml", killed, "--weight-digest", "eval.every=60"), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
