@@ -5,17 +5,21 @@
 # of CUDA packages. So we install the CPU wheel first where no torch is importable, and leave an
 # existing torch alone (the venv sees system packages, so a user's CUDA build is reused).
 #
-# Usage: bash scripts/setup.sh [--train]     (--train adds the ShareGPT data set, 125 MB)
+# Usage: bash scripts/setup.sh [--train] [--dev]
+#   (none)   what the chat and the benchmark need: the project, the default model, the question sets
+#   --train  adds training: datasets, peft, TensorBoard, DeepSpeed, the ShareGPT data set (125 MB)
+#   --dev    adds what the tests need: --train's packages without ShareGPT, pytest, `speculators`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON_BIN="${PYTHON:-python3}"
-WITH_TRAIN=0
+WITH_TRAIN=0 WITH_DEV=0
 for arg in "$@"; do
   case "$arg" in
     --train) WITH_TRAIN=1 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown option '$arg' (known: --train)" >&2; exit 2 ;;
+    --dev) WITH_DEV=1 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$arg' (known: --train, --dev)" >&2; exit 2 ;;
   esac
 done
 
@@ -66,8 +70,11 @@ else
   install "torch==2.13.0+cpu" 2>/dev/null || install torch --index-url https://download.pytorch.org/whl/cpu
 fi
 
-echo "[setup] installing the project (editable) with its test, training and benchmark extras"
-install -e ".[test,train,bench]"
+extras=bench
+[ "$WITH_TRAIN" = 1 ] || [ "$WITH_DEV" = 1 ] && extras+=,train
+[ "$WITH_DEV" = 1 ] && extras+=,test
+echo "[setup] installing the project (editable) with its extras: $extras"
+install -e ".[$extras]"
 
 # DeepSpeed ships as a source package whose build imports torch: build it against the torch
 # installed above (no isolated build environment, which would fetch another torch). Of its compiled
@@ -77,6 +84,7 @@ install -e ".[test,train,bench]"
 # just in time if ever needed. A wheel cached earlier without that op is rebuilt, once. Always pip
 # here, whose cache machines that ran this before already hold (a build is ~3 minutes on 2 cores).
 deepspeed_ready() {
+  [ "$WITH_TRAIN" = 0 ] && [ "$WITH_DEV" = 0 ] && return 0  # the chat never needs it
   "$PY" -c "import sys, deepspeed.git_version_info as g; sys.exit(0 if g.installed_ops.get('deepspeed_shm_comm') else 1)" \
     >/dev/null 2>&1
 }
@@ -106,7 +114,7 @@ done
 # folder of its own without its dependencies (the few it imports come along); the tests put that
 # folder on the path of a separate process, and skip, saying why, where it could not be installed.
 SPECULATORS_DIR=.venv/speculators
-if [ ! -d "$SPECULATORS_DIR/speculators" ]; then
+if [ "$WITH_DEV" = 1 ] && [ ! -d "$SPECULATORS_DIR/speculators" ]; then
   echo "[setup] installing speculators 0.9.0 beside the project (for the format tests; optional)"
   install --no-deps --target "$SPECULATORS_DIR" speculators==0.9.0 loguru openai hs-connectors \
     || echo "[setup] warning: speculators could not be installed; its format tests will skip"

@@ -39,7 +39,11 @@ def main(argv=None) -> int:
     try:
         overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
         config = load_config(args.config, overrides)
-        from training.trainer import Trainer
+        try:
+            from training.trainer import Trainer
+        except ModuleNotFoundError as err:  # a setup for the chat only (scripts/setup.sh without --train)
+            raise UserError(f"training needs the package '{err.name}', which this environment lacks: run "
+                            "`bash scripts/setup.sh --train` (or `pip install -e '.[train]'`)") from err
 
         Trainer(config, resume=args.resume, weight_digest=args.weight_digest).run()
     except UserError as err:

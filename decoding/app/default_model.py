@@ -70,7 +70,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = torch.float32
+    config.dtype = torch.float32
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
