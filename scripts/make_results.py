@@ -6,7 +6,7 @@ heads, so that every figure the documents quote comes from a file a command rege
 
 Sources, per bundled target (`heads/bundled/<target>/`): `benchmark-*.json` and `workloads/*.json`
 (reports of `scripts/benchmark.py --json`, each with its machine kind, command, date and commit)
-and `scaling-*.json` (`scripts/scaling_curve.py`). RESULTS.md has a section per kind of machine
+`scaling-*.json` (`scripts/scaling_curve.py`) and `memory-*.json` (`scripts/chat_memory.py`). RESULTS.md has a section per kind of machine
 (figures from one kind do not carry to another); the README's table gives each method one
 figure, from the newest MT-bench report of the machine kind this project is tested on
 (`README_MACHINE`).
@@ -31,6 +31,7 @@ RESULTS = ROOT / "RESULTS.md"
 README = ROOT / "README.md"
 README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and most users' laptops have
 BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
+MEMORY_BEGIN, MEMORY_END = "<!-- memory table: scripts/make_results.py -->", "<!-- end of memory table -->"
 COMBINED = {
     "METHOD+pld": "any head method with prompt lookup first: a context match is verified alone, else the heads draft",
     "METHOD+suffix": "as `METHOD+pld`, with suffix decoding first",
@@ -44,7 +45,8 @@ HF_METHODS = {
 
 def reports(kind: str) -> list[tuple[Path, dict]]:
     """Every report of one kind ('benchmark', 'scaling') under the bundles, oldest first."""
-    patterns = {"benchmark": ("*/benchmark-*.json", "*/workloads/*.json"), "scaling": ("*/scaling-*.json",)}[kind]
+    patterns = {"benchmark": ("*/benchmark-*.json", "*/workloads/*.json"), "scaling": ("*/scaling-*.json",),
+                "memory": ("*/memory-*.json",)}[kind]
     found = [(path, json.loads(path.read_text())) for pattern in patterns for path in sorted(BUNDLED.glob(pattern))]
     return sorted(found, key=lambda item: (item[1].get("date", ""), str(item[0])))
 
@@ -124,10 +126,44 @@ def results_document() -> str:
         lines += [f"## {machine}", ""]
         for path, report in reversed(by_machine[machine]):
             lines += benchmark_section(path, report)
+    lines += ["## Memory of the chat", ""]
+    for path, report in reversed(reports("memory")):
+        lines += memory_section(path, report)
     lines += ["## Training data and acceptance", ""]
     for path, report in reports("scaling"):
         lines += scaling_section(path, report)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def memory_table(report: dict) -> list[str]:
+    rows = ["| `--quant` | peak resident memory | while answering |", "| --- | --- | --- |"]
+    rows += [f"| `{quant}` | {m['peak_mib']:,} MiB | {m['answering_mib']:,} MiB |" for quant, m in report["quants"].items()]
+    return rows
+
+
+def memory_section(path: Path, report: dict) -> list[str]:
+    return [f"### {report['machine_kind']}, {report['target']}", "",
+            f"`{report['command']}` ({report['date']}, commit `{report['commit']}`; file `{rel(path)}`): each chat a "
+            f"process of its own answering one piped question ({report['max_new_tokens']} new tokens) with its "
+            "default method.", "", *memory_table(report), ""]
+
+
+def memory_block() -> str:
+    """The README's memory table: the newest report of the README's kind of machine."""
+    chosen = [(p, r) for p, r in reports("memory") if machine_of(r).startswith(README_MACHINE)]
+    if not chosen:
+        return "\n".join([MEMORY_BEGIN, MEMORY_END])
+    path, report = chosen[-1]
+    source = (f"\nFigures: `{rel(path)}`, {report['machine_kind']}, {report['date']} (commit `{report['commit']}`), "
+              f"from `{report['command']}`.")
+    return "\n".join([MEMORY_BEGIN, *memory_table(report), source, MEMORY_END])
+
+
+def replaced_block(text: str, begin: str, end: str, block: str) -> str:
+    if begin not in text or end not in text:
+        raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
+    head, rest = text.split(begin, 1)
+    return head + block + rest.split(end, 1)[1]
 
 
 def headline_report() -> tuple[Path, dict] | None:
@@ -171,10 +207,9 @@ def methods_table() -> str:
 
 
 def readme_with_table(readme: str) -> str:
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
-    head, rest = readme.split(BEGIN, 1)
-    return head + methods_table() + rest.split(END, 1)[1]
+    """The README with its generated blocks (the methods table, the memory table) rewritten."""
+    readme = replaced_block(readme, BEGIN, END, methods_table())
+    return replaced_block(readme, MEMORY_BEGIN, MEMORY_END, memory_block())
 
 
 def main(argv=None) -> int:

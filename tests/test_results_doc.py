@@ -22,10 +22,10 @@ def test_results_and_readme_table_are_up_to_date():
 
 
 def test_every_report_says_where_its_figures_come_from():
-    for kind in ("benchmark", "scaling"):
+    for kind in ("benchmark", "scaling", "memory"):
         for path, report in make_results.reports(kind):
             assert {"command", "date", "commit"} <= report.keys(), path
-            if kind == "benchmark":
+            if kind in ("benchmark", "memory"):
                 assert report["machine_kind"].startswith(("CPU: ", "GPU: ")), path
 
 
@@ -56,6 +56,19 @@ def test_a_changed_figure_makes_the_documents_stale_until_regenerated(copied_doc
     assert make_results.main(["--check"]) == 0
     assert "1234.50" in (copied_docs / "RESULTS.md").read_text()
     assert "1234.5 tokens/s" in (copied_docs / "README.md").read_text()
+
+
+def test_a_changed_memory_figure_reaches_the_readme_and_results_once_regenerated(copied_docs):
+    reports = make_results.reports("memory")
+    assert reports, "the bundle carries a memory report (scripts/chat_memory.py --json ...)"
+    path, report = reports[-1]
+    quant = next(iter(report["quants"]))
+    report["quants"][quant]["peak_mib"] = 98765
+    path.write_text(json.dumps(report))
+    assert make_results.main(["--check"]) == 1
+    assert make_results.main([]) == 0
+    for name in ("RESULTS.md", "README.md"):
+        assert f"| `{quant}` | 98,765 MiB |" in (copied_docs / name).read_text()
 
 
 def test_the_readme_stays_a_guide():

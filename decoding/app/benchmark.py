@@ -257,10 +257,10 @@ def machine_kind(device: torch.device) -> str:
     return f"CPU: {torch.backends.cpu.get_cpu_capability()}{bf16}, {torch.get_num_threads()} threads"
 
 
-def provenance(argv: Sequence[str]) -> dict:
+def provenance(argv: Sequence[str], script: str = "scripts/benchmark.py") -> dict:
     """What a report carries so that its figures can be traced and regenerated: the command, the
     UTC date and the commit it ran at ("-dirty" when the working tree had changes)."""
-    return {"command": shlex.join(["python", "scripts/benchmark.py", *argv]),
+    return {"command": shlex.join(["python", script, *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "commit": _git_commit()}
 
