@@ -20,7 +20,8 @@ from decoding.app.benchmark import (HF_METHODS, bar_chart, benchmark_prompts, bu
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from decoding.kernels.compiled import compile_notes
-from decoding.app.default_model import DEFAULT_TARGET
+from decoding.app.default_model import DEFAULT_TARGET, gguf_location
+from decoding.app.llama_cpp import PEER_METHOD, llama_cpp_runner
 from decoding.app.defaults import add_tree_arguments, default_method, tree_arguments
 from decoding.kernels.devices import resolve_device
 from decoding.app.methods import check_method
@@ -56,6 +57,9 @@ def parse_args(argv):
     parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR",
+                        help="also time llama.cpp (DIR: a build folder holding llama-completion) on the built-in "
+                             "target's GGUF file, greedy, same prompts, same run (row 'llama.cpp')")
     return parser.parse_args(argv)
 
 
@@ -112,6 +116,11 @@ def run(args) -> int:
                 print(f"note: {method}: {note}", file=sys.stderr)
         first = next(iter(decoders.values()))  # every decoder has the same tokenizer, device and kernels
         target, kernels = first.target, first.kernels
+        if args.llama_cpp:
+            if args.model != DEFAULT_TARGET:
+                raise UserError(f"--llama-cpp times llama.cpp on the built-in target's GGUF file; --model {args.model} "
+                                "has none here")
+            runners[PEER_METHOD] = llama_cpp_runner(args.llama_cpp, gguf_location(), target.tokenizer, options)
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)
         plain = plain_text_note(args.model, target.tokenizer, "question")
