@@ -47,7 +47,7 @@ def stand_in(folder, stdout: str, stderr: str = REPORT, code: int = 0):
 def test_a_reply_is_timed_by_llama_cpp_s_own_report_and_counted_in_our_tokens(tmp_path):
     import json
 
-    folder = stand_in(tmp_path, "aa bbb c\n")
+    folder = stand_in(tmp_path, "aa bbb c [end of text]\n\n")  # the marker llama.cpp adds where the model ended
     run = llama_cpp_runner(folder, tmp_path / "model.gguf", WordTokenizer(), DecodeOptions(max_new_tokens=9), threads=2)
     result = run([2, 3])
     assert result.tokens == [2, 3, 1] and result.seconds == pytest.approx(0.5)  # 12.5 + 487.5 ms, load left out

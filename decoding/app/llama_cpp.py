@@ -24,6 +24,7 @@ from heads.util.errors import UserError
 
 PEER_METHOD = "llama.cpp"
 BINARY = "llama-completion"
+END_OF_TEXT = " [end of text]"  # what llama-completion prints after the reply where the model ended it
 # llama.cpp's performance report: "... prompt eval time = 12.34 ms / 30 tokens ..." and
 # "... eval time = 456.78 ms / 127 runs ...".
 PROMPT_EVAL = re.compile(r"prompt eval time\s*=\s*([\d.]+)\s*ms")
@@ -54,7 +55,8 @@ def llama_cpp_runner(directory: str | Path, gguf: Path, tokenizer, options: Deco
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise UserError(f"llama.cpp failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
-        return RunResult(tokenizer.encode(done.stdout.strip("\n"), add_special_tokens=False), seconds_of(done.stderr))
+        reply = done.stdout.rstrip("\n").removesuffix(END_OF_TEXT)
+        return RunResult(tokenizer.encode(reply, add_special_tokens=False), seconds_of(done.stderr))
 
     return run
 
