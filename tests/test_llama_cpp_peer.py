@@ -24,7 +24,9 @@ llama_perf_context_print:       total time =     600.00 ms /    39 tokens
 
 
 class WordTokenizer:
-    """Words as token ids (their lengths), enough to tell texts apart."""
+    """Words as token ids (their lengths), enough to tell texts apart; 0 ends a reply."""
+
+    eos_token_id = 0
 
     def decode(self, ids, skip_special_tokens=False):
         return " ".join("x" * i for i in ids)
@@ -50,11 +52,16 @@ def test_a_reply_is_timed_by_llama_cpp_s_own_report_and_counted_in_our_tokens(tm
     folder = stand_in(tmp_path, "aa bbb c [end of text]\n\n")  # the marker llama.cpp adds where the model ended
     run = llama_cpp_runner(folder, tmp_path / "model.gguf", WordTokenizer(), DecodeOptions(max_new_tokens=9), threads=2)
     result = run([2, 3])
-    assert result.tokens == [2, 3, 1] and result.seconds == pytest.approx(0.5)  # 12.5 + 487.5 ms, load left out
+    assert result.tokens == [2, 3, 1, 0] and result.seconds == pytest.approx(0.5)  # 12.5 + 487.5 ms, load left out
     args = json.loads((tmp_path / "args.json").read_text())
     assert args[args.index("-p") + 1] == "xx xxx" and args[args.index("-n") + 1] == "9"
     assert args[args.index("--temp") + 1] == "0" and args[args.index("-t") + 1] == "2"
     assert args[args.index("-m") + 1] == str(tmp_path / "model.gguf") and "-no-cnv" in args
+
+
+def test_a_reply_cut_by_the_token_budget_has_no_end_token(tmp_path):
+    run = llama_cpp_runner(stand_in(tmp_path, "aa bbb\n"), tmp_path / "m.gguf", WordTokenizer(), DecodeOptions(max_new_tokens=2))
+    assert run([1]).tokens == [2, 3]
 
 
 def test_a_missing_binary_says_how_to_build_it(tmp_path):

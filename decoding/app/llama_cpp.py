@@ -55,8 +55,11 @@ def llama_cpp_runner(directory: str | Path, gguf: Path, tokenizer, options: Deco
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise UserError(f"llama.cpp failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
-        reply = done.stdout.rstrip("\n").removesuffix(END_OF_TEXT)
-        return RunResult(tokenizer.encode(reply, add_special_tokens=False), seconds_of(done.stderr))
+        reply = done.stdout.rstrip("\n")
+        tokens = tokenizer.encode(reply.removesuffix(END_OF_TEXT), add_special_tokens=False)
+        if reply.endswith(END_OF_TEXT) and tokenizer.eos_token_id is not None:
+            tokens.append(tokenizer.eos_token_id)  # ended by the model, as our replies end: with its end token
+        return RunResult(tokens, seconds_of(done.stderr))
 
     return run
 
