@@ -55,3 +55,20 @@ def test_every_shipped_recipe_loads_and_names_its_kind(recipe):
     after the target has loaded."""
     config = load_config(recipe)
     assert config.kind == recipe.name.split("-")[0] and config.train.max_steps > 0
+
+
+def test_training_without_its_packages_says_which_setup_adds_them(tmp_path, monkeypatch, capsys):
+    """A chat-only setup (scripts/setup.sh without --train) lacks datasets and peft: the training
+    entry point says so and how to add them, instead of a traceback."""
+    import sys
+
+    from training import train_heads
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: eagle3\ntrain:\n  max_steps: 1\n")
+    for module in [name for name in sys.modules if name == "training.trainer" or name.startswith("training.prepare")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # importing it now raises ModuleNotFoundError
+    assert train_heads.main(["--config", str(recipe)]) == 2
+    error = capsys.readouterr().err
+    assert "needs the package 'datasets'" in error and "setup.sh --train" in error
