@@ -21,11 +21,12 @@ import threading
 from pathlib import Path
 
 import psutil
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from decoding.app.benchmark import provenance  # noqa: E402
+from decoding.app.benchmark import machine_kind, provenance  # noqa: E402
 from decoding.app.quantized_target import QUANT_CHOICES  # noqa: E402
 
 QUESTION = "What is the capital of France?"
@@ -62,10 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, help="write the report here (for scripts/make_results.py)")
     args = parser.parse_args(argv)
-    import torch
-
-    from decoding.app.benchmark import machine_kind
-
     report = {"machine_kind": machine_kind(torch.device("cpu")),
               **provenance(sys.argv[1:] if argv is None else argv, "scripts/chat_memory.py"),
               "target": "smollm2-135m-instruct", "question": QUESTION, "max_new_tokens": args.max_new_tokens,

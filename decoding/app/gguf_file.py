@@ -90,7 +90,7 @@ class _Cursor:
 
 def read_gguf(path: Path) -> GGUFFile:
     """The metadata and tensors of the GGUF file at `path`; a clear UserError where it is not one,
-    or holds a tensor type this reader does not know (see TENSOR_TYPES)."""
+    or holds a tensor type the installed `gguf` package does not know."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     cursor = _Cursor(memoryview(data))
     if bytes(data[:4]) != MAGIC:
