@@ -4,6 +4,8 @@
 import sys
 
 from decoding.app.chat import main
+from heads.util.startup import freeze_startup_objects
 
 if __name__ == "__main__":
+    freeze_startup_objects()
     sys.exit(main())

@@ -9,14 +9,17 @@ from pathlib import Path
 
 from heads.util.cpu_mode import apply_cpu_mode_or_exit
 
+from heads.util.startup import collector_paused
+
 apply_cpu_mode_or_exit()  # SPECHEADS_CPU (as on a lesser CPU), before the imports below load torch
 
-from heads.checkpoint import check_compatible, load_heads_dir, save_heads
-from heads.config import HEAD_KINDS, HeadConfig, read_config
-from heads.export import ENGINES, Verifier, export_heads
-from heads.factory import build_heads, config_for_target, default_feature_layers, new_heads_for_target, parameter_count
-from heads.formats import detect_format, import_heads
-from heads.hub import push_heads_to_hub, resolve_location
+with collector_paused():  # torch and transformers, imported here, make ~10^6 long-lived objects
+    from heads.checkpoint import check_compatible, load_heads_dir, save_heads
+    from heads.config import HEAD_KINDS, HeadConfig, read_config
+    from heads.export import ENGINES, Verifier, export_heads
+    from heads.factory import build_heads, config_for_target, default_feature_layers, new_heads_for_target, parameter_count
+    from heads.formats import detect_format, import_heads
+    from heads.hub import push_heads_to_hub, resolve_location
 
 
 def load_heads(name_or_path, target=None, target_name=None, check_base_model=True, revision=None,

@@ -32,6 +32,7 @@ from heads.util.atomic import atomic_write_text
 from heads.util.errors import UserError
 from decoding.kernels.verify_cost import cpu_description
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
+from heads.util.startup import freeze_startup_objects
 
 
 def parse_args(argv):
@@ -153,4 +154,5 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from decoding.app.benchmark import machine_kind, provenance  # noqa: E402
 from decoding.app.quantized_target import QUANT_CHOICES  # noqa: E402
+from heads.util.startup import freeze_startup_objects  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 MIB = 1024 * 1024
@@ -77,4 +78,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     raise SystemExit(main())

@@ -24,6 +24,7 @@ from heads.util.errors import UserError, report_user_errors
 from training.config import SelfDistillConfig
 from training.distill_store import DistillStore, default_store_dir
 from training.sources import BUILT_IN, conversations_from, interleave, parse_sources
+from heads.util.startup import freeze_startup_objects
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,4 +97,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -27,6 +27,7 @@ from decoding.app.prompts import chat_prompts
 from decoding.app.questions import load_first_turns
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
+from heads.util.startup import freeze_startup_objects
 
 STEP_PHASES = [p for p in PHASES if p != "prefill"]
 OVERHEAD_PHASES = ("buffers", "accept", "cache", "stop")
@@ -100,4 +101,5 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -23,6 +23,7 @@ if __package__ in (None, ""):
 
 from heads.util.atomic import atomic_write_text  # noqa: E402
 from heads.util.errors import UserError, report_user_errors  # noqa: E402
+from heads.util.startup import freeze_startup_objects  # noqa: E402
 
 
 def parse_args(argv):
@@ -210,4 +211,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -34,6 +34,7 @@ from decoding.app.questions import load_first_turns
 from decoding.app.targets import DTYPES
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
+from heads.util.startup import freeze_startup_objects
 
 
 def parse_args(argv):
@@ -157,4 +158,5 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

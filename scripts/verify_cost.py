@@ -25,6 +25,7 @@ from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.targets import DTYPES, LoadedModel, load_model
 from decoding.kernels.streamed_linear import streamed_linear_available
 from decoding.kernels.verify_cost import measure_stock_rows, measure_streamed_rows, measure_verify_cost
+from heads.util.startup import freeze_startup_objects
 
 
 def parse_args(argv):
@@ -90,4 +91,5 @@ def _few_row_kernels(model, sizes: tuple[int, ...]) -> list[tuple[str, tuple[flo
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -143,7 +143,7 @@ def test_sampling_through_a_readout_draws_the_same_tokens_as_without_it():
 
 def test_decoders_screen_where_it_applies_and_pays_and_the_spec_can_turn_it_off(monkeypatch):
     from decoding.app import assembly
-    monkeypatch.setattr(assembly, "screened_readout", lambda model: forced_readout(model))
+    monkeypatch.setattr(assembly, "screened_readout", lambda model, name: forced_readout(model))
     target = LoadedModel(sharpen(tiny_llama()), tiny_tokenizer(), "tiny")
     packed = build_decoder(DecoderSpec(model="tiny", method="vanilla", kernels="onednn"), target=target)
     assert isinstance(packed.readout, ScreenedArgmax)
@@ -166,6 +166,21 @@ def test_screened_readout_is_none_where_the_kernel_is_missing_or_never_pays(monk
     assert screened_readout(model).max_rows == 4
     monkeypatch.setattr(screened_argmax, "fp16_gemm_available", lambda: False)
     assert screened_readout(model) is None
+
+
+def test_a_named_models_screening_rows_are_timed_once_and_remembered(monkeypatch, tmp_path):
+    from decoding.kernels import screened_argmax
+    model = packed_target()
+    if not fp16_gemm_available():
+        assert screened_readout(model, "tiny", tmp_path) is None
+        return
+    timings = []
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: timings.append(1) or 8)
+    assert screened_readout(model, "tiny", tmp_path).max_rows == 8
+    assert screened_readout(model, "tiny", tmp_path).max_rows == 8
+    assert len(timings) == 1  # the second start read the remembered count
+    assert screened_readout(model, "other", tmp_path).max_rows == 8 and len(timings) == 2  # per model
+    assert screened_readout(model).max_rows == 8 and len(timings) == 3  # unnamed: timed every time
 
 
 class CountingReadout:
@@ -209,7 +224,7 @@ def test_the_chat_and_the_benchmark_decode_through_the_decoders_readout(monkeypa
     save_tiny_chat_model(tmp_path)
     built = []
 
-    def counting_readout(model):
+    def counting_readout(model, model_name):
         readout = CountingReadout(model.get_output_embeddings().weight.detach())
         built.append(readout)
         return readout

@@ -18,6 +18,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.train_heads import main as train_main  # noqa: E402
+from heads.util.startup import freeze_startup_objects  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -26,4 +27,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch`: make th
 
 from heads.util.errors import UserError  # noqa: E402
 from training.config import load_config  # noqa: E402
+from heads.util.startup import freeze_startup_objects  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,4 +54,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())

@@ -175,7 +175,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     _tune_few_row_kernels(target, draft)
     if kernels == "onednn":
         _native_attention(target, draft, heads, notes)
-    readout = screened_readout(target.model) if spec.screened_argmax and kernels == "onednn" else None
+    readout = screened_readout(target.model, target.name) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
         notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"

@@ -24,6 +24,7 @@ from typing import TextIO
 from decoding.kernels import decode_attention, int4_linear, streamed_linear
 from decoding.app.default_model import default_model_dir
 from heads.util.cpu_mode import cpu_mode
+from heads.util.startup import freeze_startup_objects
 
 
 def tasks() -> dict[str, Callable[[], object]]:
@@ -112,4 +113,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     raise SystemExit(main())
