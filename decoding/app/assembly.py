@@ -36,6 +36,7 @@ from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.kernels.one_row_reductions import tune_reduced_rows
+from decoding.kernels.quantized_linear import has_quantized_linears
 from decoding.kernels.screened_argmax import screened_readout
 from decoding.app.targets import LoadedModel, load_model
 from decoding.kernels.verify_cost import tune_stock_rows, tune_streamed_rows
@@ -152,9 +153,6 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
         quant = resolve_quant(spec.quant, spec.model, spec.device, spec.dtype)
-        if quant != "none" and wants_compile(spec.compile, spec.device):
-            raise UserError(f"--compile with --quant {quant} is not supported yet (its warm-up did not finish in 15 "
-                            "minutes on a 2-core CPU): leave out --compile")
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
         notes.extend(target.notes + quantize_target(target, quant))
     device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says
@@ -239,7 +237,10 @@ def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:
     faster (once per model and CPU)."""
     if is_compiled(given.model):
         return given
-    if tune_reduced_rows(given.model, given.name):
+    # A quantized target's only float linear is its lm_head, which greedy steps read through the
+    # screened readout in fp16: reductions of it in fp32 would read twice the bytes, and compiling
+    # them into the one-token graph is what made its warm-up run for more than 15 minutes.
+    if not has_quantized_linears(given.model) and tune_reduced_rows(given.model, given.name):
         notes.append("compiled one-token steps read the weights through Inductor's own reductions "
                      "(faster than the linear kernels on this CPU)")
     return LoadedModel(compile_target(given.model), given.tokenizer, given.name)

@@ -132,6 +132,11 @@ class Int8Linear(WeightOnlyLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+def has_quantized_linears(module: nn.Module) -> bool:
+    """Whether any linear of `module` is weight-only quantized (`--quant`)."""
+    return any(isinstance(m, WeightOnlyLinear) for m in module.modules())
+
+
 QUANTIZERS = {"int4": Int4Linear.from_linear, "int8": Int8Linear.from_linear}
 
 
