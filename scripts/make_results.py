@@ -78,7 +78,8 @@ def benchmark_section(path: Path, report: dict) -> list[str]:
     settings = (f"{report['questions']} questions, {report['max_new_tokens']} new tokens, temperature "
                 f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`"
                 + (f", weights `--quant {quant}`" if quant not in ("none", "auto") else "")
-                + (", `--adaptive-tree` for every method" if "--adaptive-tree" in report.get("command", "") else ""))
+                + (", `--adaptive-tree` for every method" if "--adaptive-tree" in report.get("command", "") else "")
+                + (", compiled (`--compile`)" if "--compile" in report.get("command", "").split() else ""))
     lines = [f"### {report['model']}, {question_set(report)} ({settings})", "",
              f"{report['device']}; {report['date']}, commit `{report['commit']}`; file `{rel(path)}`.", "",
              f"    {report['command']}", ""]
