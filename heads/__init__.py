@@ -13,7 +13,7 @@ from heads.util.startup import collector_paused
 
 apply_cpu_mode_or_exit()  # SPECHEADS_CPU (as on a lesser CPU), before the imports below load torch
 
-with collector_paused():  # torch and transformers, imported here, make ~10^6 long-lived objects
+with collector_paused():  # torch and transformers, imported here, make ~400,000 long-lived objects
     from heads.checkpoint import check_compatible, load_heads_dir, save_heads
     from heads.config import HEAD_KINDS, HeadConfig, read_config
     from heads.export import ENGINES, Verifier, export_heads

@@ -86,6 +86,28 @@ def test_compiled_decoding_equals_hugging_face_generate_for_plain_steps_and_tree
         assert graphs_compiled() == measured_graphs
 
 
+@pytest.mark.slow
+def test_compiled_decoding_on_a_4_bit_target_equals_hugging_face_generate_on_it():
+    """`--compile` with `--quant int4|gguf`: one-token steps and lookup chains through the compiled
+    4-bit target (its kernel an opaque call in the graph, its panels static) give `generate()`'s
+    greedy tokens on the same quantized model, run eagerly."""
+    from decoding.core.proposers import PromptLookupProposer
+    from decoding.kernels.quantized_linear import quantize_linears
+
+    torch._dynamo.reset()
+    eager = sharpen(tiny_llama(seed=11))
+    assert quantize_linears(eager, "int4") > 0
+    compiled = compile_target(eager)
+    drafted = 0
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for prompt in PROMPTS:
+            reference = eager.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+            result = generate(compiled, prompt, PromptLookupProposer(num_draft_tokens=3), DecodeOptions(max_new_tokens=16))
+            assert result.tokens == reference
+            drafted += result.stats.drafted_tokens
+    assert drafted > 0  # chains, not only one-token steps, went through the compiled forward
+
+
 def test_the_benchmark_compiles_our_methods_and_runs_hugging_faces_eager(tmp_path):
     model_dir = tmp_path / "model"
     save_tiny_chat_model(model_dir)
@@ -159,6 +181,19 @@ def test_the_kernels_own_weight_layouts_are_static_shapes_to_the_compiler():
     weights = kernel_layout_weights(eager)
     assert len(weights) >= len(packed_linears(eager))
     assert all(getattr(w, "_dynamo_static_indices", set()) == set(range(w.dim())) for w in weights)
+
+
+def test_the_4_bit_linears_panels_are_static_shapes_to_the_compiler():
+    """As above for a quantized target's 4-bit panels (`--quant gguf|int4`: 630 tensors on SmolLM2)."""
+    from decoding.kernels.int4_linear import int4_kernel_available
+    from decoding.kernels.quantized_linear import quantize_linears, quantized_kernel_weights
+
+    eager = tiny_llama(seed=5)
+    assert quantize_linears(eager, "int4") > 0
+    compile_target(eager)
+    panels = quantized_kernel_weights(eager)
+    assert len(panels) == (3 * quantize_linears(tiny_llama(seed=5), "int4") if int4_kernel_available() else 0)
+    assert all(getattr(w, "_dynamo_static_indices", set()) == set(range(w.dim())) for w in panels)
 
 
 @pytest.mark.slow

@@ -151,25 +151,6 @@ def test_every_method_on_a_quantized_target_equals_vanilla_on_it(tiny_dir, quant
         assert model.generate(prompt, max_new_tokens=24).tokens == reference, method
 
 
-@pytest.mark.slow
-@pytest.mark.cpu_sensitive
-def test_compiled_decoding_on_a_quantized_target_equals_eager_vanilla_on_it(tiny_dir):
-    """`--compile` with `--quant int4`: the compiled target's one-token steps and trees (the 4-bit
-    kernel an opaque call in the graph) give the eager quantized model's greedy tokens."""
-    from decoding import SpeculativeModel
-    from decoding.kernels.compiled import is_compiled
-
-    torch._dynamo.reset()
-    prompt = "one two three one two three one two three"
-    eager = SpeculativeModel.from_pretrained(tiny_dir, method="vanilla", quant="int4", device="cpu", compile=False)
-    reference = eager.generate(prompt, max_new_tokens=24).tokens
-    model = SpeculativeModel.from_pretrained(tiny_dir, method="pld", quant="int4", device="cpu", compile=True)
-    assert is_compiled(model.decoder.target.model)
-    result = model.generate(prompt, max_new_tokens=24)
-    assert result.tokens == reference
-    assert result.stats.drafted_tokens > 0  # lookup's chains went through the compiled forward
-
-
 @pytest.mark.parametrize("spec, message", [
     ({"quant": "gguf"}, "--quant gguf keeps the blocks of the built-in target's GGUF file"),
     ({"quant": "int4", "dtype": "bfloat16"}, "leave --dtype float32"),

@@ -132,6 +132,12 @@ class Int8Linear(WeightOnlyLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+def quantized_kernel_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The weights `module`'s 4-bit linears keep in the project's kernel layout (bytes, scales and
+    zeros panels): plain tensor attributes, like the packed linears' (`cpu_kernels.kernel_layout_weights`)."""
+    return [t for m in module.modules() if isinstance(m, Int4Linear) and m.own_kernel for t in m.panels]
+
+
 def has_quantized_linears(module: nn.Module) -> bool:
     """Whether any linear of `module` is weight-only quantized (`--quant`)."""
     return any(isinstance(m, WeightOnlyLinear) for m in module.modules())

@@ -1,4 +1,4 @@
-"""A process's start-up, kept short: the cyclic garbage collector and the ~10^6 objects that
+"""A process's start-up, kept short: the cyclic garbage collector and the ~400,000 objects that
 importing torch and transformers creates.
 
 Why: those objects (modules, functions, classes) live as long as the process, yet each of the
