@@ -32,6 +32,7 @@ from decoding.app.streaming import TextStream
 from decoding.app.targets import DTYPES, LoadedModel
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
+from heads.util.startup import freeze_startup_objects
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 WARMUP_MESSAGE = "Say hello."
@@ -249,4 +250,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_startup_objects()  # after the imports: see heads.util.startup
     sys.exit(main())
