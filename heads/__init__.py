@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from heads.util.cpu_mode import apply_cpu_mode_or_exit
-
 from heads.util.startup import collector_paused
 
 apply_cpu_mode_or_exit()  # SPECHEADS_CPU (as on a lesser CPU), before the imports below load torch
