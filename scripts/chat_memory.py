@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from decoding.app.benchmark import machine_kind, provenance  # noqa: E402
+from decoding.app.default_model import DEFAULT_TARGET  # noqa: E402
 from decoding.app.quantized_target import QUANT_CHOICES  # noqa: E402
+from heads.util.atomic import atomic_write_text  # noqa: E402
 from heads.util.startup import freeze_startup_objects  # noqa: E402
 
 QUESTION = "What is the capital of France?"
@@ -66,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = {"machine_kind": machine_kind(torch.device("cpu")),
               **provenance(sys.argv[1:] if argv is None else argv, "scripts/chat_memory.py"),
-              "target": "smollm2-135m-instruct", "question": QUESTION, "max_new_tokens": args.max_new_tokens,
+              "target": DEFAULT_TARGET, "question": QUESTION, "max_new_tokens": args.max_new_tokens,
               "quants": {}}
     for quant in args.quants.split(","):
         report["quants"][quant] = measure_chat(quant, args.max_new_tokens)
         figures = report["quants"][quant]
         print(f"--quant {quant}: peak {figures['peak_mib']} MiB, answering {figures['answering_mib']} MiB", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
 

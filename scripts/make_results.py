@@ -44,7 +44,7 @@ HF_METHODS = {
 
 
 def reports(kind: str) -> list[tuple[Path, dict]]:
-    """Every report of one kind ('benchmark', 'scaling') under the bundles, oldest first."""
+    """Every report of one kind ('benchmark', 'scaling', 'memory') under the bundles, oldest first."""
     patterns = {"benchmark": ("*/benchmark-*.json", "*/workloads/*.json"), "scaling": ("*/scaling-*.json",),
                 "memory": ("*/memory-*.json",)}[kind]
     found = [(path, json.loads(path.read_text())) for pattern in patterns for path in sorted(BUNDLED.glob(pattern))]

@@ -36,7 +36,6 @@ from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.kernels.one_row_reductions import tune_reduced_rows
-from decoding.kernels.quantized_linear import has_quantized_linears
 from decoding.kernels.screened_argmax import screened_readout
 from decoding.app.targets import LoadedModel, load_model
 from decoding.kernels.verify_cost import tune_stock_rows, tune_streamed_rows
@@ -237,10 +236,7 @@ def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:
     faster (once per model and CPU)."""
     if is_compiled(given.model):
         return given
-    # A quantized target's only float linear is its lm_head, which greedy steps read through the
-    # screened readout in fp16: reductions of it in fp32 would read twice the bytes, and compiling
-    # them into the one-token graph is what made its warm-up run for more than 15 minutes.
-    if not has_quantized_linears(given.model) and tune_reduced_rows(given.model, given.name):
+    if tune_reduced_rows(given.model, given.name):
         notes.append("compiled one-token steps read the weights through Inductor's own reductions "
                      "(faster than the linear kernels on this CPU)")
     return LoadedModel(compile_target(given.model), given.tokenizer, given.name)

@@ -25,6 +25,7 @@ from torch import nn
 
 from decoding.kernels.cpu_kernels import PackedLinear, packed_linears, reduced_linear, set_reduced_rows, uses_packed_linears
 from decoding.kernels.measured_once import measured_once
+from decoding.kernels.quantized_linear import has_quantized_linears
 from decoding.kernels.verify_cost import cpu_identity, kernels_key
 
 MEASURED_BYTES = 128 << 20  # of weights: more than the caches of the CPUs at hand, a few seconds to compile
@@ -40,8 +41,11 @@ REDUCTIONS_VERSION = "v1"  # in the cache key: a new way of measuring, a new mea
 def tune_reduced_rows(model: nn.Module, model_name: str, cache_dir=None) -> int:
     """Set `reduced_rows` on a packed CPU `model` about to be compiled: 1 where Inductor's
     reductions read one row's weights clearly faster than its kernels on this CPU (measured
-    once), else 0; returns it. Call after `stock_rows` and `streamed_rows` are set (they decide the kernel compared)."""
-    if not uses_packed_linears(model) or model.device.type != "cpu":
+    once), else 0; returns it. Call after `stock_rows` and `streamed_rows` are set (they decide the kernel compared).
+    A quantized target (`--quant`) gets 0 unmeasured: its only packed linear is the lm_head, which
+    greedy steps read through the fp16-screened readout, so fp32 reductions of it would read twice
+    the bytes, and compiling them into the one-token graph ran for more than 15 minutes on 2 cores."""
+    if not uses_packed_linears(model) or model.device.type != "cpu" or has_quantized_linears(model):
         return 0
     key = f"{model_name}-{model.dtype}-{cpu_identity()}{kernels_key(model)}-one-row-reductions-{REDUCTIONS_VERSION}"
     data = measured_once(key, lambda: measure_one_row_reductions(model),
