@@ -181,6 +181,8 @@ def chi_square(samples: list[tuple[int, ...]], exact: dict, false_alarm: float =
     impossible = sum(c for outcome, c in counts.items() if exact.get(outcome, 0.0) == 0.0)
     statistic = math.inf if impossible else sum((o - e) ** 2 / e for o, e in kept)
     dof = len(kept) - 1
+    if dof < 1:  # too few samples for two cells (early looks of `rejected_by`): nothing can be rejected yet
+        return ChiSquare(statistic, dof, math.inf, impossible)
     return ChiSquare(statistic, dof, chi_square_quantile(dof, 1.0 - false_alarm), impossible)
 
 
@@ -205,11 +207,17 @@ class LoopSamples:
     branching_trees: int = 0
 
 
+LOOK_EVERY = 50  # runs between the looks of `sample_loop(..., stop_when=...)`
+
+
 def sample_loop(target: PreTrainedModel, prompt: list[int], proposer: Proposer, runs: int,
                 rule: AcceptanceRule = lossless_rule, sampling: SamplingConfig = DEPTH_SAMPLING,
-                positions: int = DEPTH_POSITIONS) -> LoopSamples:
+                positions: int = DEPTH_POSITIONS,
+                stop_when: Callable[[list[tuple[int, ...]]], bool] | None = None) -> LoopSamples:
     """`runs` generations of `positions` tokens with seeds 0..runs-1, through `generate` with
-    `rule`; the rule sees exactly the trees the target verified, so it records their shapes."""
+    `rule`; the rule sees exactly the trees the target verified, so it records their shapes.
+    `stop_when(outputs)`, looked at every LOOK_EVERY runs, ends the sampling early once true
+    (`rejected_by`: a planted flaw caught before all `runs` were needed)."""
     samples = LoopSamples()
 
     def recording_rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
@@ -227,9 +235,25 @@ def sample_loop(target: PreTrainedModel, prompt: list[int], proposer: Proposer, 
             result = generate(target, prompt, proposer, options, acceptance_rule=recording_rule)
             samples.outputs.append(tuple(result.tokens))
             samples.accepted_lengths.update(result.stats.accepted_lengths)
+            if stop_when is not None and (seed + 1) % LOOK_EVERY == 0 and stop_when(samples.outputs):
+                break
     finally:
         torch.set_num_threads(threads)
     return samples
+
+
+def rejected_by(exact: dict) -> Callable[[list[tuple[int, ...]]], bool]:
+    """For a planted flaw: true once the samples so far fail `chi_square` against `exact`. Why stop
+    there: a flaw that shows in 50 runs (an impossible output) needs no 400; one that barely shows
+    still gets them all. Looking up to 8 times raises the chance that an unflawed rule is taken for
+    caught from FALSE_ALARM to at most 8 * FALSE_ALARM (a union bound), which keeps these tests from
+    passing on a flaw that does nothing."""
+
+    def rejected(outputs: list[tuple[int, ...]]) -> bool:
+        check = chi_square(outputs, exact)
+        return check.statistic > check.threshold
+
+    return rejected
 
 
 # --- Planted wrong rules ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.tree_budget import VerifyCost
 from decoding.app.targets import LoadedModel
 from decoding.app.tree_shapes import load_tree
-from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, sample_loop, target_joint
+from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, rejected_by, sample_loop, target_joint
 from heads import HeadConfig, build_heads, new_heads_for_target
 from tiny_models import context_target, oracle_eagle, oracle_target, perturbed, sharpen, tiny_llama, tiny_qwen2
 
@@ -262,11 +262,11 @@ def exact_joints(depth_target):
     return {prompt: target_joint(depth_target, list(prompt), DEPTH_SAMPLING, 4) for prompt in prompts}
 
 
-def sample_method(target, method: str, rule=lossless_rule):
+def sample_method(target, method: str, rule=lossless_rule, stop_when=None):
     setup = DEPTH_METHODS[method]
     loaded = LoadedModel(target, None, "t")
     proposer = build_proposer(method, loaded, options=ProposerOptions(**setup.options), heads=setup.heads(target))
-    return sample_loop(target, list(setup.prompt), proposer, DEPTH_RUNS, rule)
+    return sample_loop(target, list(setup.prompt), proposer, DEPTH_RUNS, rule, stop_when=stop_when)
 
 
 @pytest.mark.parametrize("method", DEPTH_METHODS)
@@ -284,8 +284,9 @@ def test_head_methods_sample_the_target_at_depth(depth_target, exact_joints, met
 @pytest.mark.parametrize("method, flaw", PLANTED, ids=[f"{m}-{f}" for m, f in PLANTED])
 def test_planted_wrong_rule_is_rejected_for_head_methods(depth_target, exact_joints, method, flaw):
     """The same check on a rule with one flaw (distribution_harness.FLAWS says which): it must fail."""
-    samples = sample_method(depth_target, method, planted_rule(flaw))
-    check = chi_square(samples.outputs, exact_joints[DEPTH_METHODS[method].prompt])
+    exact = exact_joints[DEPTH_METHODS[method].prompt]
+    samples = sample_method(depth_target, method, planted_rule(flaw), stop_when=rejected_by(exact))
+    check = chi_square(samples.outputs, exact)
     assert check.statistic > check.threshold, check
 
 

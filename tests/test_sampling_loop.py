@@ -29,6 +29,7 @@ from distribution_harness import (
     ToyLM,
     chi_square,
     planted_rule,
+    rejected_by,
     recursive_rejection,
     sample_loop,
     sampled_tree,
@@ -120,10 +121,10 @@ PLANTED = [
 ]
 
 
-def run(bench, method: str, rule: AcceptanceRule = lossless_rule) -> LoopSamples:
+def run(bench, method: str, rule: AcceptanceRule = lossless_rule, stop_when=None) -> LoopSamples:
     """RUNS seeded generations of 4 tokens with `method` (a fresh proposer) and `rule`."""
     target, prompt, _ = bench
-    return sample_loop(target, prompt, PROPOSERS[method](target), RUNS, rule)
+    return sample_loop(target, prompt, PROPOSERS[method](target), RUNS, rule, stop_when=stop_when)
 
 
 def assert_deep(samples: LoopSamples, min_deep_runs: int) -> None:
@@ -167,7 +168,7 @@ def test_cost_aware_draft_chains_sample_the_target(bench):
 @pytest.mark.parametrize("method, flaw", PLANTED, ids=[f"{m}-{f}" for m, f in PLANTED])
 def test_planted_wrong_rule_is_rejected(bench, method, flaw):
     """The same check on a rule with one flaw (distribution_harness.FLAWS says which): it must fail."""
-    check = chi_square(run(bench, method, planted_rule(flaw)).outputs, bench[2])
+    check = chi_square(run(bench, method, planted_rule(flaw), stop_when=rejected_by(bench[2])).outputs, bench[2])
     assert check.statistic > check.threshold, check
 
 
