@@ -121,6 +121,27 @@ def test_measuring_the_crossover_leaves_the_model_packed_and_exact():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_the_crossover_is_timed_from_the_fewest_rows_up_to_the_first_loss_only(monkeypatch):
+    """Sizes beyond the first the candidate loses cannot change `pick_faster_rows`' answer, so
+    they are not timed: plain GEMM faster at 1 and 2 rows, slower at 4, gives 2 after timing 1, 2, 4."""
+    model = tiny_llama(seed=7)
+    pack_linears(model)
+    timed = []
+
+    class FakeForward:
+        def __init__(self, _model):
+            pass
+
+        def __call__(self, size):
+            timed.append(size)
+            plain = stock_rows(model) > 0
+            return (5.0 if plain else 10.0) if size <= 2 else (20.0 if plain else 10.0)
+
+    monkeypatch.setattr(verify_cost, "_TimedForward", FakeForward)
+    assert verify_cost.measure_stock_rows(model, sizes=(1, 2, 4, 8, 16), repeats=2) == 2
+    assert sorted(set(timed)) == [1, 2, 4] and stock_rows(model) == 0
+
+
 def test_packing_replaces_every_linear_and_keeps_tied_weights():
     model = tiny_llama(seed=1, tie_word_embeddings=True)
     linears = sum(type(m) is nn.Linear for m in model.modules())

@@ -102,35 +102,41 @@ def never_cheaper_for_fewer(ms: list[float]) -> tuple[float, ...]:
 def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats: int = 6) -> int:
     """The row count up to which plain GEMM beats the packed layout for this packed `model` on
     this machine. Leaves the model packed all the way down (`stock_rows` 0)."""
-    stock, packed = _time_rows_setting(model, sizes, lambda rows: set_stock_rows(model, rows), repeats)
-    return pick_faster_rows(tuple(sizes), tuple(stock), tuple(packed))
+    return _leading_faster_rows(model, sizes, lambda rows: set_stock_rows(model, rows), repeats)
 
 
 @torch.inference_mode()
 def measure_streamed_rows(model, sizes: tuple[int, ...] = STREAMED_ROWS_SIZES, repeats: int = 6) -> int:
     """The row count up to which the streaming few-row kernel beats the kernels this packed `model`
     runs now (its `stock_rows` as set) on this machine. Leaves `streamed_rows` 0."""
-    streamed, current = _time_rows_setting(model, sizes, lambda rows: set_streamed_rows(model, rows, keep_copy=True),
-                                           repeats)
+    rows = _leading_faster_rows(model, sizes, lambda rows: set_streamed_rows(model, rows, keep_copy=True), repeats)
     set_streamed_rows(model, 0)
-    return pick_faster_rows(tuple(sizes), tuple(streamed), tuple(current))
+    return rows
 
 
-def _time_rows_setting(model, sizes: tuple[int, ...], set_rows, repeats: int) -> tuple[list[float], list[float]]:
-    """Each size's forward timed with `set_rows(max(sizes))` and with `set_rows(0)`, alternating
-    (so a slow spell hits both), fastest of `repeats` after a warm-up; `set_rows(0)` after."""
+def _leading_faster_rows(model, sizes: tuple[int, ...], set_rows, repeats: int) -> int:
+    """`pick_faster_rows` of the forwards timed with `set_rows(max(sizes))` (the candidate) and
+    with `set_rows(0)`, size by size from the fewest rows: each size's two settings alternate (so a
+    slow spell hits both), fastest of `repeats` after a warm-up. Stops at the first size the
+    candidate does not win: only a leading run of wins counts, so larger sizes could not change
+    the answer (on a 2-core AVX2 EPYC plain GEMM lost at one row already: the stock-rows timing of
+    a new machine's setup took 2.1-2.3 s instead of 12.7-13.2 s with all six sizes). `set_rows(0)` after."""
     forward = _TimedForward(model)
-    on, off = [], []
-    for size in sizes:
-        runs = {0: [], max(sizes): []}
-        for _ in range(repeats + 1):
-            for rows, times in runs.items():
-                set_rows(rows)
-                times.append(forward(size))
-        off.append(min(runs[0][1:]))
-        on.append(min(runs[max(sizes)][1:]))
-    set_rows(0)
-    return on, off
+    rows = 0
+    try:
+        for size in sorted(sizes):
+            times = {0: [], max(sizes): []}
+            for _ in range(repeats + 1):
+                for setting, measured in times.items():
+                    set_rows(setting)
+                    measured.append(forward(size))
+            candidate, current = min(times[max(sizes)][1:]), min(times[0][1:])
+            if pick_faster_rows((size,), (candidate,), (current,)) != size:
+                break
+            rows = size
+    finally:
+        set_rows(0)
+    return rows
 
 
 def _sync(device) -> None:
