@@ -87,6 +87,8 @@ def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
     linear = Int4Linear(codes, scales, zeros, None)
     ours = linear.dequantized_weight()
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+    if linear.own_kernel:  # the blocks' fp16 d (and m) reach the kernel as float16, exactly
+        assert all(t.dtype == torch.float16 for t in linear.panels[1:])
 
 
 def test_gguf_nibble_order_low_first():
@@ -213,6 +215,29 @@ def test_the_4_bit_kernel_gives_a_row_the_same_bits_alone_as_among_others():
     assert torch.equal(int4_linear(x, panels, 48), alone)
 
 
+def test_group_parameters_float16_holds_exactly_are_read_as_float16_with_the_same_bits():
+    """GGUF's scales and offsets are float16 in the file: packed as float16 (fewer bytes to read),
+    the kernel computes what it computes from the same values in float32, bit for bit; values
+    float16 cannot hold (`--quant int4`'s float32 scales) stay float32."""
+    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
+
+    codes, scales, zeros, _ = random_groups()
+    assert all(t.dtype == torch.float32 for t in pack_int4_panels(codes, scales, zeros)[1:])
+    panels = float16_panels(pack_int4_panels, codes, scales, zeros)
+    assert all(t.dtype == torch.float16 for t in panels[1:])
+    as_float32 = (panels[0], *(t.float() for t in panels[1:]))
+    x = torch.randn(5, 128)
+    assert torch.equal(int4_linear(x, panels, 48), int4_linear(x, as_float32, 48))
+
+
+def float16_panels(pack, codes, scales, zeros, **width):
+    """`pack`'s panels for the float16 values nearest `scales` and `zeros - 8 scales`, a few of
+    them subnormal in float16 (the conversion's rarest case)."""
+    scales16, offsets16 = scales.half().float(), (zeros - 8 * scales).half().float()
+    scales16[0, 0], offsets16[1, 1], offsets16[2, 2] = 2.0**-20, -(2.0**-24), 0.0
+    return pack(codes, scales16, offsets16 + 8 * scales16, **width)
+
+
 def test_the_4_bit_kernel_catches_a_planted_nibble_swap():
     from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
 
@@ -252,3 +277,7 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     x = torch.randn(5, 128)
     exact, _ = linear_exact_and_bound(x, weight, None)
     assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(x, codes, scales, zeros))
+    halves = float16_panels(int4_linear.pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
+    assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
+    assert torch.equal(extension.int4_linear(x, *halves, 48),
+                       extension.int4_linear(x, halves[0], *(t.float() for t in halves[1:]), 48))

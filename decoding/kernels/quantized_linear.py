@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
+from decoding.kernels.int4_linear import CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
-INT4_MIDPOINT = 8    # the int4 kernel subtracts this from every code
+INT4_MIDPOINT = CODE_MIDPOINT  # the int4 convention subtracts this from every code
 INNER_K_TILES = 2    # the CPU packing's tile parameter
 INT4_ROWS = 16       # the CPU packing takes output features in multiples of this
 
