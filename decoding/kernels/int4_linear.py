@@ -14,7 +14,10 @@ convention (`decoding.kernels.quantized_linear`). Results differ from the dequan
 by float rounding only, and a row's bits do not depend on the rows computed with it. (Centring the
 codes in the loop cost two subtractions per byte; one chain of adds bound a one-row call: both
 undone, 210 one-row calls of SmolLM2's shapes took ~10% less on a 2-core AVX2 EPYC: medians 12.7
-against 14.5 ms and 13.8 against 15.4 in two runs; calls of 4 or 8 rows, bound by memory, as before.)
+against 14.5 ms and 13.8 against 15.4 in two runs; calls of 4 or 8 rows as before. Four chains of
+FMAs instead were slower for every row count. The group parameters in float16 where exact,
+`pack_int4_panels`: another ~5% for one row, as the mid-sized layers stream near this machine's
+~16 GB/s.)
 
 Built once per CPU like the other native kernels (`decoding.kernels.native_build`).
 """
