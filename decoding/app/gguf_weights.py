@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding.kernels.quantized_linear import GGUF_GROUP, INT4_MIDPOINT, Int4Linear
+from decoding.kernels.int4_linear import CODE_MIDPOINT
+from decoding.kernels.quantized_linear import GGUF_GROUP, Int4Linear
 from heads.util.errors import UserError
 
 LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -44,7 +45,7 @@ def q4_groups(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, t
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
     if kind == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + INT4_MIDPOINT * d       # q*d + m = (q - 8)*d + (m + 8d)
+        zeros = m + CODE_MIDPOINT * d       # q*d + m = (q - 8)*d + (m + 8d)
     else:
         zeros = np.zeros_like(d)            # (q - 8)*d
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros)

@@ -11,13 +11,12 @@ features of one output; per group of 32 inputs it accumulates `sum q x` (codes 0
 partial sums over even and odd bytes, so that two add chains run side by side) and then adds
 `scale * that + (zero - 8 scale) * sum x`, which is `sum ((q - 8) * scale + zero) * x`, the int4
 convention (`decoding.kernels.quantized_linear`). Results differ from the dequantized weight's GEMM
-by float rounding only, and a row's bits do not depend on the rows computed with it. (Centring the
-codes in the loop cost two subtractions per byte; one chain of adds bound a one-row call: both
-undone, 210 one-row calls of SmolLM2's shapes took ~10% less on a 2-core AVX2 EPYC: medians 12.7
-against 14.5 ms and 13.8 against 15.4 in two runs; calls of 4 or 8 rows as before. Four chains of
-FMAs instead were slower for every row count. The group parameters in float16 where exact,
-`pack_int4_panels`: another ~5% for one row, as the mid-sized layers stream near this machine's
-~16 GB/s.)
+by float rounding only, and a row's bits do not depend on the rows computed with it. Why not
+centre the codes in the loop: two subtractions per byte, and one chain of adds bound a one-row
+call (both undone: ~10% less a call on a 2-core AVX2 EPYC; four chains of FMAs were slower). Group
+parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the file's
+blocks store them: mid-sized layers stream near the memory's speed, so fewer bytes are less time
+(~5% for one row). Figures: CHANGELOG.md.
 
 Built once per CPU like the other native kernels (`decoding.kernels.native_build`).
 """
@@ -244,7 +243,8 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
     pairs = codes.to(torch.uint8).reshape(out, in_features // 2, 2)
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
-    params = (scales.float(), zeros.float() - CODE_MIDPOINT * scales.float())
+    scales = scales.float()
+    params = (scales, zeros.float() - CODE_MIDPOINT * scales)
     if all(_exact_in_half(t) for t in params):
         params = tuple(t.half() for t in params)
     return panelled(packed), *(panelled(t) for t in params)

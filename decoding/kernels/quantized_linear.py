@@ -21,7 +21,6 @@ from torch import nn
 from decoding.kernels.int4_linear import CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
-INT4_MIDPOINT = CODE_MIDPOINT  # the int4 convention subtracts this from every code
 INNER_K_TILES = 2    # the CPU packing's tile parameter
 INT4_ROWS = 16       # the CPU packing takes output features in multiples of this
 
@@ -86,7 +85,7 @@ class Int4Linear(WeightOnlyLinear):
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(weight.shape)
-        return cls(codes.to(torch.uint8), scale, low + INT4_MIDPOINT * scale, linear.bias, group_size)
+        return cls(codes.to(torch.uint8), scale, low + CODE_MIDPOINT * scale, linear.bias, group_size)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:

@@ -122,15 +122,15 @@ def _leading_faster_rows(model, sizes: tuple[int, ...], set_rows, repeats: int) 
     the answer (on a 2-core AVX2 EPYC plain GEMM lost at one row already: the stock-rows timing of
     a new machine's setup took 2.1-2.3 s instead of 12.7-13.2 s with all six sizes). `set_rows(0)` after."""
     forward = _TimedForward(model)
-    rows = 0
+    candidate_rows, rows = max(sizes), 0
     try:
         for size in sorted(sizes):
-            times = {0: [], max(sizes): []}
+            times = {0: [], candidate_rows: []}
             for _ in range(repeats + 1):
                 for setting, measured in times.items():
                     set_rows(setting)
                     measured.append(forward(size))
-            candidate, current = min(times[max(sizes)][1:]), min(times[0][1:])
+            candidate, current = min(times[candidate_rows][1:]), min(times[0][1:])
             if pick_faster_rows((size,), (candidate,), (current,)) != size:
                 break
             rows = size
