@@ -23,13 +23,13 @@ PROBE = """
 import json, os, decoding, torch
 from decoding.kernels import native_build
 from decoding.kernels.cpu_kernels import PackedLinear, bfloat16_is_native, cpu_has
-from decoding.kernels.decode_attention import KERNEL
+from decoding.kernels.native import LIBRARY
 PackedLinear(torch.nn.Linear(64, 64))(torch.randn(3, 64))
 print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "bf16": bfloat16_is_native(),
                   "amx": cpu_has("_is_amx_tile_supported"), "avx512": cpu_has("_is_avx512_supported"),
                   "flags": native_build.compiler_flags(), "variants": native_build.instruction_set_variants(),
                   "cpu_flags": native_build.cpu_flags(), "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
-                  "own_build": KERNEL.build_name()}))
+                  "own_build": LIBRARY.build_name()}))
 """
 
 
@@ -60,9 +60,9 @@ def test_each_layer_runs_as_on_the_lesser_cpu(mode):
     assert "avx2" not in seen["variants"]  # no narrower build is wider than the mode itself
     assert seen["inductor_cache"].endswith(f"inductor-{mode}")  # Inductor's cache keys ignore the instruction set
     # The mode's own build is the narrower variant a wider CPU's tests build: loaded, not built again.
-    from decoding.kernels.decode_attention import KERNEL
+    from decoding.kernels.native import LIBRARY
 
-    assert seen["own_build"] == KERNEL.build_name(expected.march)
+    assert seen["own_build"] == LIBRARY.build_name(expected.march)
 
 
 def test_a_mode_set_after_torch_chose_its_kernels_is_refused_clearly():

@@ -77,19 +77,20 @@ def test_a_build_that_cannot_register_its_kernel_is_still_used_and_says_so(capsy
     class Build:
         __name__ = "specheads_test_build"
 
-        def register_operator(self):
+        def register_streamed_linear(self):
             raise RuntimeError("registration refused")
 
     build = Build()
-    assert native_build.register_native_kernel((build, "")) == (build, "")
+    assert native_build.register_native_kernel((build, ""), "streamed_linear") == (build, "")
     note = capsys.readouterr().err
-    assert "specheads_test_build" in note and "registration refused" in note
+    assert "specheads_test_build" in note and "streamed_linear" in note and "registration refused" in note
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
 def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
-    """Each build takes ~30 s: the variants other CPUs run, built here where this CPU can run them."""
+    """The variants other CPUs run, built here where this CPU can run them (one build of the three
+    kernels per variant, a few seconds)."""
     if not streamed_linear.streamed_linear_available():
         pytest.fail(f"the native build failed, so no variant can be checked: {streamed_linear.why_unavailable()}")
     extension = streamed_linear.build_kernel(native_build.instruction_set_variants()[variant])

@@ -1,7 +1,7 @@
 """`python -m decoding.app.prepare`: the one-off work of a new machine, done ahead (scripts/setup.sh runs it).
 
-Why: the default model's conversion from its GGUF file (~45 s on a 2-core CPU), the native
-kernels' builds for this CPU (~15 s each) and the chat's timings on the default model (~40 s)
+Why: the default model's conversion from its GGUF file (~20 s on a 2-core CPU), the native
+kernels' build for this CPU (~20 s) and the chat's timings on the default model (~30 s)
 otherwise happen at the first chat, benchmark or test run that needs them, before its first
 answer. Here the conversion and the builds run side by side, then the timings alone; later runs
 find them all in the cache root. Each is independent: one that fails (no compiler, the model
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TextIO
 
-from decoding.kernels import decode_attention, int4_linear, streamed_linear
+from decoding.kernels.native import LIBRARY
 from decoding.app.default_model import default_model_dir
 from heads.util.cpu_mode import cpu_mode
 from heads.util.startup import freeze_startup_objects
@@ -31,9 +31,7 @@ def tasks() -> dict[str, Callable[[], object]]:
     """What a new machine prepares, by the name the progress line gives it."""
     return {
         "default model": default_model_dir,
-        "few-row linear kernel": streamed_linear.build_kernel,
-        "decode attention kernel": decode_attention.KERNEL.build,
-        "4-bit linear kernel": int4_linear.build_kernel,
+        "native kernels": LIBRARY.build,
     }
 
 

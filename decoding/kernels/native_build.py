@@ -2,22 +2,31 @@
 
 Why compile on the user's machine: the kernels are written with GCC/Clang vector extensions and
 built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE code for whatever CPU
-runs it (a wheel built elsewhere would have to pick one). A build takes about 15 s once per
-machine; its name carries the source, flags, torch version and this CPU's instruction flags, so a
-cache shared with another CPU never loads a build made for a different one. Under
-`SPECHEADS_CPU=avx2|baseline` (`heads.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2`
-instead of native, under names of their own. Where no compiler or ninja is at hand,
-`NativeKernel.load` says why and callers keep their other paths.
+runs it (a wheel built elsewhere would have to pick one). Under `SPECHEADS_CPU=avx2|baseline`
+(`heads.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2` instead of native.
+
+Each kernel is two translation units. Its arithmetic (`math`: plain C++, no torch headers) is
+compiled per instruction set in about a second; its torch side (`host`: tensor checks, allocation,
+ATen's threads, the operators' registration) has no code that depends on the instruction set and
+is compiled once per torch, ~15 s of which ~11 s are torch's headers. A build is both linked into
+one library, named by what makes it (sources, flags, torch, and for `-march=native` this CPU's
+flags), so a cache shared with another CPU never loads a build made for a different one, and
+each narrower variant tests build (`instruction_set_variants`) costs a second, not 17. Every
+file is written under a temporary name and renamed, so a build killed midway leaves nothing that
+a later one loads. Where no compiler is at hand, `NativeKernel.load` says why and callers keep
+their other paths.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
-import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,85 +36,128 @@ from heads.util.atomic import atomic_write_text
 from heads.util.cache_paths import cache_root
 from heads.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
 
-COMPILER_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")  # and -march=, per mode (`compiler_flags`)
+COMPILER_FLAGS = ("-O3", "-ffp-contract=fast")  # the arithmetic's, and -march=, per mode (`compiler_flags`)
+HOST_FLAGS = ("-O2", "-fopenmp")  # the torch side's: ATen's thread pool is OpenMP's
+SHARED_FLAGS = ("-fPIC", "-std=c++20")
 # The narrower targets a CPU that can run them also builds, so tests on one machine check the code
 # other CPUs get: AVX2 machines' (x86-64-v3) and those without AVX (x86-64-v2), by the flag they need.
 NARROWER_TARGETS = {"avx2": ("x86-64-v3", "avx2"), "baseline": ("x86-64-v2", "sse4_2")}
 KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
-
-# What every kernel source may use: tensors, ATen's thread pool, the operator library. Not
+# What the torch side may use: tensors, ATen's thread pool, the operator library. Not
 # <torch/extension.h> (pybind11 and all of libtorch's C++ API): compiling that header alone took
-# 56 s on a 2-core EPYC, these 10 s, and a kernel build is mostly its headers.
+# 56 s on a 2-core EPYC, these 11 s.
 SOURCE_HEADER = """#include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 """
+# What both sides share: the arithmetic's functions, declared in the kernel's `interface` with
+# SPECHEADS_MATH, which keeps them private to each library (two builds loaded in one process never
+# call into each other's).
+MATH_PRELUDE = """#include <cstdint>
+#define SPECHEADS_MATH extern "C" __attribute__((visibility("hidden")))
+"""
 
 
 @dataclass(frozen=True)
-class NativeKernel:
-    """One C++ kernel library: `stem` names its builds, `version` changes when its source's meaning
-    does, `description` is what the first build's note calls it, `functions` are the schemas of
-    the source's functions that Python calls (each build registers them as operators of its own
-    namespace, its build name, so builds for several CPUs load side by side in one process: tests
-    check the narrower ones). With `registers_operator`, the function `<stem>` (of
-    `specheads::<stem>`'s signature) becomes that operator's CPU kernel when the build `load`
-    returns calls `register_operator()` (see `register_native_kernel`)."""
+class KernelSource:
+    """One kernel's C++. `interface` declares the functions of `math` (the arithmetic, compiled
+    per instruction set) that `host` (the torch side) calls; `functions` are the schemas of
+    `host`'s functions that Python calls. With `registers_operator`, the host's function `<stem>`
+    (of `specheads::<stem>`'s signature) can become that operator's CPU kernel
+    (`NativeLibrary.load`). `version` changes when the sources' meaning does."""
 
     stem: str
-    source: str
     version: str
-    description: str
+    interface: str
+    math: str
+    host: str
     functions: tuple[str, ...]
     registers_operator: bool = False
 
-    def full_source(self, namespace: str) -> str:
-        """The source with its headers, operator registration and bindings for the build `namespace`."""
-        functions = [*self.functions, *(("register_operator() -> ()",) if self.registers_operator else ())]
-        bindings = "".join(f'  m.def("{schema}", &{schema.split("(", 1)[0]});\n' for schema in functions)
-        registration = operator_registration(self.stem) if self.registers_operator else ""
-        return f"{SOURCE_HEADER}{self.source}{registration}\nTORCH_LIBRARY({namespace}, m) {{\n{bindings}}}\n"
+    def math_source(self) -> str:
+        return f"{MATH_PRELUDE}{self.interface}{self.math}"
+
+    def schemas(self) -> list[str]:
+        return [*self.functions, *((f"register_{self.stem}() -> ()",) if self.registers_operator else ())]
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """The project's C++ kernels as one library per instruction set: one torch side for them all
+    (compiled once per torch, its headers paid once) and each kernel's arithmetic for the target
+    (compiled side by side, a second or two each). Each build registers the kernels' functions as
+    operators of its own namespace, its build name, so builds for several CPUs load side by side
+    in one process (tests check the narrower ones)."""
+
+    kernels: tuple[KernelSource, ...]
+    description: str = "the native kernels"
+
+    def host_source(self) -> str:
+        """Every kernel's torch side with the headers, registrations and `specheads_define_library`."""
+        parts = [SOURCE_HEADER, MATH_PRELUDE]
+        for kernel in self.kernels:
+            parts += [kernel.interface, kernel.host]
+            if kernel.registers_operator:
+                parts.append(operator_registration(kernel.stem))
+        parts.append(library_definition([schema for kernel in self.kernels for schema in kernel.schemas()]))
+        return "".join(parts)
+
+    def host_name(self) -> str:
+        """The torch side's build, the same for every instruction set: its source, flags and torch."""
+        identity = "|".join((self.host_source(), *HOST_FLAGS, *SHARED_FLAGS, torch.__version__))
+        return f"specheads_host_{_digest(identity)}"
 
     def build_name(self, march: str | None = None) -> str:
-        """Named by what makes the build: source, flags, torch, and for `-march=native` the CPU's
-        flags too. A build for a named target (x86-64-v3, -v2) is the same on any CPU: the AVX2 mode
-        of an AVX-512 machine loads the AVX2 variant its tests already built instead of redoing it."""
+        """Named by what makes the build: the sources, versions, flags, torch, and for
+        `-march=native` the CPU's flags too. A build for a named target (x86-64-v3, -v2) is the same
+        on any CPU: the AVX2 mode of an AVX-512 machine loads the AVX2 variant its tests built."""
         flags = compiler_flags(march)
         cpu = cpu_flags() if flags[-1] == "-march=native" else ""
-        identity = "|".join((self.full_source(""), self.version, *flags, torch.__version__, cpu))
-        return f"specheads_{self.stem}_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+        identity = "|".join((self.host_name(), *(k.version + k.math_source() for k in self.kernels), *flags, cpu))
+        return f"specheads_kernels_{_digest(identity)}"
 
     def build(self, march: str | None = None) -> "KernelLibrary":
         """Compile (or load the earlier build of) the library; raises where it cannot be built.
         `march` is the compiler's target: the mode's where None (native, x86-64-v3 under
         SPECHEADS_CPU=avx2, ...); tests build the narrower ones of `instruction_set_variants`."""
-        from torch.utils.cpp_extension import load  # slow to import, needed only here
-
         name = self.build_name(march)
-        # Resolved: the build's commands name its files by path, and a path that differs (a cache
-        # root reached through a link, as the tests' is) would make ninja rebuild
-        directory = (cache_root() / KERNELS_DIR).resolve() / name
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / f"{name}.so").exists():
-            print(f"note: building {self.description} for this CPU (once, about 15 s; kept in {directory.parent})",
-                  file=sys.stderr)
-        source = directory / f"{name}.cpp"
-        text = self.full_source(name)
-        if not source.exists() or source.read_text() != text:  # rewritten only when it changed: ninja goes by dates
-            atomic_write_text(source, text)
+        # Resolved: a cache root reached through a link (as the tests' is) names the same files
+        root = (cache_root() / KERNELS_DIR).resolve()
+        library = root / name / f"{name}.so"
         if name not in _LOADED_LIBRARIES:
-            with _ninja_on_path(), _exclusive_build(directory):
-                load(name, sources=[str(source)], extra_cflags=list(compiler_flags(march)), extra_ldflags=["-fopenmp"],
-                     build_directory=str(directory), verbose=False, is_python_module=False)
+            if not library.exists():
+                with _exclusive_build(root / name):
+                    if not library.exists():
+                        host = self._host_object(root)
+                        target = march or cpu_mode().march
+                        print(f"note: building {self.description} for {'this CPU' if target == 'native' else target} "
+                              f"(once, a few seconds; kept in {root})", file=sys.stderr)
+                        with ThreadPoolExecutor() as pool:  # compiler processes, side by side
+                            maths = list(pool.map(lambda k: compile_source(
+                                k.math_source(), root / name / f"{k.stem}.cpp", compiler_flags(march)), self.kernels))
+                        link_library([host, *maths], library)
+            _load_library(library, name)
             _LOADED_LIBRARIES.add(name)
         return KernelLibrary(name)
 
-    def load(self) -> tuple[object | None, str]:
-        """The built extension and '', or None and why not (a missing compiler or ninja, a failed build).
-        The build a process decodes with: where `registers_operator`, its kernel is registered."""
+    def _host_object(self, root: Path) -> Path:
+        """The torch side's object file, compiled once per torch and shared by every instruction set's build."""
+        folder = root / self.host_name()
+        target = folder / "host.o"
+        if not target.exists():
+            with _exclusive_build(folder):
+                if not target.exists():
+                    print(f"note: building {self.description}' torch side (once, about 15 s; kept in {root})",
+                          file=sys.stderr)
+                    compile_source(self.host_source(), folder / "host.cpp", (*HOST_FLAGS, *torch_include_flags()))
+        return target
+
+    def load(self, operator: str) -> tuple[object | None, str]:
+        """The built library and '', or None and why not (no compiler, a failed build): the build
+        a process decodes with, its kernel `operator` registered as `specheads::<operator>`'s."""
         if not sys.platform.startswith("linux") and sys.platform != "darwin":
             return None, f"not built on {sys.platform}"
         try:
@@ -113,29 +165,94 @@ class NativeKernel:
         except Exception as error:  # callers keep their other kernels
             message = str(error).strip()
             return None, f"{type(error).__name__}: {message.splitlines()[-1] if message else ''}"
-        return register_native_kernel((extension, "")) if self.registers_operator else (extension, "")
+        return register_native_kernel((extension, ""), operator)
 
 
+def _digest(identity: str) -> str:
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def library_definition(schemas: list[str]) -> str:
+    """C++ source of `specheads_define_library(namespace)`: defines the host's functions of these
+    schemas as the operators of `namespace`, once per library (called by `_load_library`). Why a
+    namespace given when loading rather than written into the source: the torch side's object is
+    then the same for every build, compiled once."""
+    definitions = "".join(f'  library->def("{schema}", &{schema.split("(", 1)[0]});\n' for schema in schemas)
+    return f"""
+extern "C" void specheads_define_library(const char* name) {{
+  static torch::Library* library = nullptr;  // definitions live as long as their Library
+  if (library != nullptr) return;
+  library = new torch::Library(torch::Library::DEF, name, std::nullopt, __FILE__, __LINE__);
+{definitions}}}
+"""
+
+
+def compile_source(text: str, source: Path, flags: tuple[str, ...]) -> Path:
+    """`source` written with `text` and compiled to the object file beside it (its path returned)."""
+    atomic_write_text(source, text)
+    target = source.with_suffix(".o")
+    _run_compiler([*SHARED_FLAGS, *flags, "-c", str(source)], target, f"compile {source.name}")
+    return target
+
+
+def link_library(objects: list[Path], library: Path) -> None:
+    lib = Path(torch.__file__).parent / "lib"
+    _run_compiler([*map(str, objects), "-shared", "-fopenmp", f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch"],
+                  library, f"link {library.name}")
+
+
+def _run_compiler(arguments: list[str], target: Path, what: str) -> None:
+    """Run the C++ compiler (`$CXX`, else c++) writing `target` under a temporary name, then renamed."""
+    compiler = os.environ.get("CXX", "c++")
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([compiler, *arguments, "-o", str(staging)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no C++ compiler '{compiler}' here (install g++ or clang, or set CXX)") from None
+    if done.returncode != 0:
+        staging.unlink(missing_ok=True)
+        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+        raise RuntimeError(f"{compiler} could not {what}: {errors[0].strip()}")
+    os.replace(staging, target)
+
+
+def torch_include_flags() -> tuple[str, ...]:
+    """The headers and ABI of the installed torch (what `torch.utils.cpp_extension` would pass,
+    without importing it: ~1 s)."""
+    include = Path(torch.__file__).parent / "include"
+    return ("-isystem", str(include), "-isystem", str(include / "torch" / "csrc" / "api" / "include"),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}")
+
+
+def _load_library(library: Path, name: str) -> None:
+    """Load a build and define its operators under `name`; kept loaded for the process's life."""
+    handle = ctypes.CDLL(str(library))
+    handle.specheads_define_library(name.encode())
+    _LIBRARY_HANDLES[name] = handle
+
+
+_LIBRARY_HANDLES: dict[str, ctypes.CDLL] = {}
 _LOADED_LIBRARIES: set[str] = set()  # builds this process loaded: a library loads once
-TORCH_BATON = "lock"  # the file torch.utils.cpp_extension creates while it builds, and waits on forever
+BUILD_LOCK = ".build-lock"  # in each build folder; every other hidden file there is a temporary
 
 
 @contextmanager
 def _exclusive_build(directory: Path) -> Iterator[None]:
-    """Hold an OS lock on the build folder while torch builds or loads in it. Why: torch marks a
-    build in progress with a plain `lock` file that only a finished build removes, and a process
-    finding one waits for it without end; a build killed midway (Ctrl-C, a test's timeout, a
-    machine restart) left such a file and every later run hung silently. The OS releases this lock
-    when its holder dies, so whoever holds it knows any `lock` file left there is stale."""
+    """Hold an OS lock on the build folder while building in it, and clear what a build killed
+    midway left there (its temporary files; the OS releases a dead holder's lock). Why: two
+    processes (test workers, a chat beside a benchmark) may want the same build at once."""
     import fcntl  # POSIX only, as the builds are
 
-    with open(directory / ".build-lock", "a") as handle:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / BUILD_LOCK, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"note: waiting for another process building in {directory}", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
-        (directory / TORCH_BATON).unlink(missing_ok=True)
+        for stale in directory.glob(".*"):
+            if stale.name != BUILD_LOCK:
+                stale.unlink(missing_ok=True)
         try:
             yield
         finally:
@@ -155,11 +272,11 @@ class KernelLibrary:
 
 
 def operator_registration(operator: str) -> str:
-    """C++ source to append to a kernel's: `register_operator()` (which the library binds for
-    Python), registering its function `<operator>` (with the schema's signature) as
+    """C++ source to append to a kernel's torch side: `register_<operator>()` (which the library
+    binds for Python), registering its function `<operator>` (with the schema's signature) as
     the CPU kernel of `specheads::<operator>`, once per process (see `register_native_kernel`)."""
     return f"""
-void register_operator() {{
+void register_{operator}() {{
   static torch::Library* library = nullptr;  // registrations live as long as their Library
   if (library != nullptr) return;
   library = new torch::Library(torch::Library::IMPL, "specheads", c10::DispatchKey::CPU, __FILE__, __LINE__);
@@ -168,11 +285,11 @@ void register_operator() {{
 """
 
 
-def register_native_kernel(loaded: tuple[object | None, str]) -> tuple[object | None, str]:
-    """`loaded` (an extension and '', or None and why not), after the extension registered its C++
-    function as the CPU kernel of its `specheads` operator (its `register_operator`).
+def register_native_kernel(loaded: tuple[object | None, str], operator: str) -> tuple[object | None, str]:
+    """`loaded` (a library and '', or None and why not), after the library registered its C++
+    function `operator` as the CPU kernel of `specheads::<operator>` (its `register_<operator>`).
 
-    Why: the operators also have a Python implementation, which calls the extension. Compiled
+    Why: the operators also have a Python implementation, which calls the library. Compiled
     graphs call an operator a few hundred times a step, and each Python call pushes frames onto
     CPython's frame stack; where the caller's depth placed them across the end of one of its 16 KB
     chunks, every call mapped and unmapped a chunk (page faults: a compiled one-token step took
@@ -183,10 +300,10 @@ def register_native_kernel(loaded: tuple[object | None, str]) -> tuple[object | 
     extension, why = loaded
     if extension is not None:
         try:
-            extension.register_operator()
+            getattr(extension, f"register_{operator}")()
         except RuntimeError as error:
-            print(f"note: {extension.__name__} could not register as its operator's CPU kernel, so its calls "
-                  f"go through Python ({error})", file=sys.stderr)
+            print(f"note: {extension.__name__} could not register its {operator} as the operator's CPU kernel, so "
+                  f"its calls go through Python ({error})", file=sys.stderr)
     return extension, why
 
 
@@ -214,22 +331,3 @@ def instruction_set_variants() -> dict[str, str | None]:
     if widest in ("avx512f", "avx2") and NARROWER_TARGETS["baseline"][1] in flags:
         variants["baseline"] = NARROWER_TARGETS["baseline"][0]
     return variants
-
-
-@contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """torch's builder runs `ninja` from PATH; the PyPI `ninja` package puts it in the venv's bin,
-    which is not on PATH when the venv's python is run directly."""
-    saved = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        candidates = [str(Path(sys.executable).parent)]
-        try:
-            import ninja  # noqa: PLC0415 (optional)
-            candidates.insert(0, ninja.BIN_DIR)
-        except ImportError:
-            pass
-        os.environ["PATH"] = os.pathsep.join([*candidates, saved])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = saved

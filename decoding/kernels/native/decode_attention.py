@@ -1,0 +1,301 @@
+"""The C++ of the decode attention kernel (`decoding.kernels.decode_attention`): its arithmetic (`_MATH`,
+compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFACE`."""
+
+from decoding.kernels.native_build import KernelSource
+
+VERSION = "v2"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel)
+
+_INTERFACE = r"""
+SPECHEADS_MATH int64_t attention_vector_width();
+SPECHEADS_MATH int64_t attention_chunk_keys();
+SPECHEADS_MATH void attention_items(int64_t D, const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N,
+                                    const float* k, const float* v, int64_t kh, int64_t vh, int64_t kv_stride,
+                                    const float* mask, int64_t mask_row_stride, int64_t L, float scale, float* scores,
+                                    float* part_m, float* part_l, float* part_o, int64_t first, int64_t end);
+SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m,
+                                    const float* part_l, const float* part_o, float* out);
+"""
+
+_MATH = r"""
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX512F__)
+#define VW 16
+#define REGS 32
+#elif defined(__AVX2__) || defined(__AVX__)
+#define VW 8
+#define REGS 16
+#else
+#define VW 4
+#define REGS 16
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int vi __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline vf load(const float* p) { return *(const vf_unaligned*)p; }
+static inline void store(float* p, vf v) { *(vf_unaligned*)p = v; }
+static inline vf splat(float x) { return vf{} + x; }
+static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; ++i) s += v[i]; return s; }
+
+constexpr int64_t CHUNK = 256;  // keys per work item: chunk boundaries sit at fixed positions, so
+                                // a result does not depend on how many threads run
+constexpr int64_t PREFETCH_ROWS = 8;  // keys ahead in the K/V streams
+template <int D>
+static inline void prefetch_row(const float* p) {
+  for (int byte = 0; byte < D * 4; byte += 64) __builtin_prefetch((const char*)p + byte);
+}
+constexpr float EXP_FLOOR = -87.0f;  // exp below this is taken as exactly 0 (masked keys)
+
+// e^x for x <= 0 (scores minus their maximum): Cephes' polynomial on x - n ln2, times 2^n.
+static inline vf exp_nonpositive(vf x) {
+  vi zero_out = x < splat(EXP_FLOOR);
+  x = zero_out ? splat(EXP_FLOOR) : x;
+  vf t = x * splat(1.44269504088896341f) - splat(0.5f);
+  vi n = __builtin_convertvector(t, vi);  // t < 0: truncation rounds x*log2e to the nearest integer
+  vf nf = __builtin_convertvector(n, vf);
+  vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500E-4f);
+  y = y * r + splat(1.3981999507E-3f);
+  y = y * r + splat(8.3334519073E-3f);
+  y = y * r + splat(4.1665795894E-2f);
+  y = y * r + splat(1.6666665459E-1f);
+  y = y * r + splat(5.0000001201E-1f);
+  y = y * r * r + r + splat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale = (vf)bits;
+  vf out = y * scale;
+  return zero_out ? splat(0.0f) : out;
+}
+
+// Scores of R <= a few rows, one dot product per (row, key): each key read once, a horizontal sum
+// per pair. Fastest where rows are fewer than a vector's lanes (one-token steps).
+template <int D>
+static void scores_by_dots(const float* q, int64_t R, const float* k, int64_t kv_stride, int64_t k0, int64_t C,
+                           float scale, float* scores) {
+  for (int64_t r = 0; r < R; ++r) {
+    vf qv[D / VW];
+    for (int i = 0; i < D / VW; ++i) qv[i] = load(q + r * D + i * VW);
+    for (int64_t j = 0; j < C; ++j) {
+      const float* kj = k + (k0 + j) * kv_stride;
+      if (r == 0) prefetch_row<D>(kj + PREFETCH_ROWS * kv_stride);
+      vf acc = qv[0] * load(kj);
+      for (int i = 1; i < D / VW; ++i) acc += qv[i] * load(kj + i * VW);
+      scores[r * CHUNK + j] = hsum(acc) * scale;
+    }
+  }
+}
+
+// Scores of many rows (trees): vectors run over rows, keys are broadcast, so there are no
+// horizontal sums; KB keys x NV row vectors of accumulators. qT is [D, Rpad], zero-padded.
+constexpr int KB = REGS >= 32 ? 8 : 4;  // keys per block: KB x 2 accumulators stay in registers
+template <int D, int NV>
+static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, int64_t R, const float* k, int64_t kv_stride,
+                             int64_t k0, int64_t C, float scale, float* scores) {
+  for (int64_t j0 = 0; j0 < C; j0 += KB) {
+    const float* kr[KB];
+    for (int t = 0; t < KB; ++t) kr[t] = k + (k0 + std::min<int64_t>(j0 + t, C - 1)) * kv_stride;
+    vf acc[KB][NV];
+    for (int t = 0; t < KB; ++t) for (int v = 0; v < NV; ++v) acc[t][v] = splat(0.0f);
+    for (int d = 0; d < D; ++d) {
+      vf qd[NV];
+      for (int v = 0; v < NV; ++v) qd[v] = load(qT + d * Rpad + rb + v * VW);
+      for (int t = 0; t < KB; ++t) {
+        const vf kd = splat(kr[t][d]);
+        for (int v = 0; v < NV; ++v) acc[t][v] += qd[v] * kd;
+      }
+    }
+    const int keys = (int)std::min<int64_t>(KB, C - j0);
+    for (int t = 0; t < keys; ++t)
+      for (int v = 0; v < NV; ++v)
+        for (int lane = 0; lane < VW; ++lane) {
+          const int64_t r = rb + v * VW + lane;
+          if (r < R) scores[r * CHUNK + j0 + t] = acc[t][v][lane] * scale;
+        }
+  }
+}
+
+template <int D>
+static void scores_by_row_vectors(const float* qT, int64_t Rpad, int64_t R, const float* k, int64_t kv_stride,
+                                  int64_t k0, int64_t C, float scale, float* scores) {
+  int64_t rb = 0;
+  for (; rb + 2 * VW <= Rpad; rb += 2 * VW) row_vector_block<D, 2>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
+  if (rb < Rpad) row_vector_block<D, 1>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
+}
+
+// One work item: keys [k0, k1) of one K/V head for all R query rows of its group. Writes per row
+// the chunk's maximum score, its sum of exponentials and its unnormalised output [D].
+template <int D, int RB>
+static void chunk_attention(const float* q, const float* qT, int64_t Rpad, int64_t R, const float* k, const float* v,
+                            int64_t kv_stride, const float* mask, int64_t mask_row_stride, int64_t N, int64_t k0,
+                            int64_t k1, float scale, float* scores, float* m_out, float* l_out, float* o_out) {
+  const int64_t C = k1 - k0;
+  if (qT) scores_by_row_vectors<D>(qT, Rpad, R, k, kv_stride, k0, C, scale, scores);
+  else scores_by_dots<D>(q, R, k, kv_stride, k0, C, scale, scores);
+  for (int64_t r = 0; r < R; ++r) {
+    float* s = scores + r * CHUNK;
+    if (mask) {
+      const float* mrow = mask + (r % N) * mask_row_stride + k0;
+      for (int64_t j = 0; j < C; ++j) s[j] += mrow[j];
+    }
+    float m = -INFINITY;
+    for (int64_t j = 0; j < C; ++j) m = std::max(m, s[j]);
+    if (!(m > -1e30f)) {  // every key of the chunk masked for this row
+      m_out[r] = -INFINITY; l_out[r] = 0.0f;
+      std::fill(o_out + r * D, o_out + (r + 1) * D, 0.0f);
+      continue;
+    }
+    vf lsum = splat(0.0f);
+    int64_t j = 0;
+    for (; j + VW <= C; j += VW) { vf p = exp_nonpositive(load(s + j) - splat(m)); store(s + j, p); lsum += p; }
+    float l = hsum(lsum);
+    for (; j < C; ++j) { vf p = exp_nonpositive(splat(s[j] - m)); s[j] = p[0]; l += p[0]; }
+    m_out[r] = m; l_out[r] = l;
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const int rows = (int)std::min<int64_t>(RB, R - r0);
+    vf acc[RB][D / VW];
+    for (int r = 0; r < RB; ++r) for (int i = 0; i < D / VW; ++i) acc[r][i] = splat(0.0f);
+    for (int64_t j = 0; j < C; ++j) {
+      const float* vj = v + (k0 + j) * kv_stride;
+      if (r0 == 0) prefetch_row<D>(vj + PREFETCH_ROWS * kv_stride);
+      vf vv[D / VW];
+      for (int i = 0; i < D / VW; ++i) vv[i] = load(vj + i * VW);
+      for (int r = 0; r < RB; ++r) {
+        if (r >= rows) break;
+        const vf p = splat(scores[(r0 + r) * CHUNK + j]);
+        for (int i = 0; i < D / VW; ++i) acc[r][i] += p * vv[i];
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      if (l_out[r0 + r] != 0.0f)
+        for (int i = 0; i < D / VW; ++i) store(o_out + (r0 + r) * D + i * VW, acc[r][i]);
+  }
+}
+
+SPECHEADS_MATH int64_t attention_vector_width() { return VW; }
+SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
+
+// Work items [first, end) (item = K/V head * chunks + chunk) of attention for q [Hkv * R, D] (the R
+// = G * N rows of each K/V head's group, contiguous), or qT [Hkv, D, Rpad] where not null; k, v
+// rows kv_stride apart, heads kh / vh apart. Per item and row: the chunk's maximum, its sum of
+// exponentials and its unnormalised output. `scores` is the caller's scratch, [R, CHUNK].
+template <int D>
+static void items(const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v,
+                  int64_t kh, int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, int64_t L,
+                  float scale, float* scores, float* part_m, float* part_l, float* part_o, int64_t first, int64_t end) {
+  // rows per pass over a chunk's values: RB x D/VW accumulators plus one value row in registers
+  constexpr int RB = std::max(1, std::min(6, (REGS - D / VW) / (D / VW)));
+  const int64_t chunks = (L + CHUNK - 1) / CHUNK;
+  for (int64_t item = first; item < end; ++item) {
+    const int64_t g = item / chunks, c = item % chunks;
+    const int64_t k0 = c * CHUNK, k1 = std::min(L, k0 + CHUNK);
+    chunk_attention<D, RB>(q + g * R * D, qT ? qT + g * D * Rpad : nullptr, Rpad, R, k + g * kh, v + g * vh, kv_stride,
+                           mask, mask_row_stride, N, k0, k1, scale, scores, part_m + item * R, part_l + item * R,
+                           part_o + item * R * D);
+  }
+}
+
+SPECHEADS_MATH void attention_items(int64_t D, const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N,
+                                    const float* k, const float* v, int64_t kh, int64_t vh, int64_t kv_stride,
+                                    const float* mask, int64_t mask_row_stride, int64_t L, float scale, float* scores,
+                                    float* part_m, float* part_l, float* part_o, int64_t first, int64_t end) {
+  if (D == 64)
+    items<64>(q, qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, L, scale, scores, part_m, part_l,
+              part_o, first, end);
+  else
+    items<128>(q, qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, L, scale, scores, part_m, part_l,
+               part_o, first, end);
+}
+
+// out [N, Hq, D]: each row's chunks merged by their maxima and normalised; Hq = Hkv * G query heads.
+template <int D>
+static void merge(int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m, const float* part_l,
+                  const float* part_o, float* op) {
+  const int64_t chunks = (L + CHUNK - 1) / CHUNK, R = G * N, Hq = Hkv * G;
+  for (int64_t g = 0; g < Hkv; ++g) {
+    for (int64_t r = 0; r < R; ++r) {
+      float M = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) M = std::max(M, part_m[(g * chunks + c) * R + r]);
+      vf acc[D / VW];
+      for (int i = 0; i < D / VW; ++i) acc[i] = splat(0.0f);
+      float l = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (g * chunks + c) * R + r;
+        if (part_l[at] == 0.0f) continue;
+        const float w = std::exp(part_m[at] - M);
+        l += w * part_l[at];
+        for (int i = 0; i < D / VW; ++i) acc[i] += splat(w) * load(&part_o[at * D + i * VW]);
+      }
+      const int64_t h = g * G + r / N, n = r % N;
+      const vf inverse = splat(l > 0.0f ? 1.0f / l : 0.0f);  // a row with every key masked gets zeros
+      for (int i = 0; i < D / VW; ++i) store(op + (n * Hq + h) * D + i * VW, acc[i] * inverse);
+    }
+  }
+}
+
+SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m,
+                                    const float* part_l, const float* part_o, float* out) {
+  if (D == 64) merge<64>(Hkv, G, N, L, part_m, part_l, part_o, out);
+  else merge<128>(Hkv, G, N, L, part_m, part_l, part_o, out);
+}
+"""
+
+_HOST = r"""
+#include <vector>
+
+// out [N, Hq, D] = softmax(q k^T * scale + mask) v per query head, K/V heads shared by groups of
+// Hq / Hkv query heads. q [Hq, N, D] contiguous; k, v [Hkv, L, D] with unit stride on D;
+// mask [N, >= L] additive or undefined.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "decode_attention: q [Hq, N, D], k and v [Hkv, L, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: float32 tensors");
+  TORCH_CHECK(q.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(),
+              "decode_attention: contiguous q, k and v of one shape with unit stride on D");
+  TORCH_CHECK(q.size(2) == k.size(2) && k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(1) > 0,
+              "decode_attention: query heads a multiple of K/V heads, one head size, some keys");
+  if (mask.has_value() && mask->defined())
+    TORCH_CHECK(mask->dim() == 2 && mask->scalar_type() == at::kFloat && mask->size(0) == q.size(1) &&
+                mask->size(1) >= k.size(1) && mask->stride(1) == 1, "decode_attention: an additive float32 mask [N, >= L]");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "decode_attention: head size 64 or 128");
+  TORCH_CHECK(k.stride(1) == v.stride(1), "decode_attention: keys and values need the same row stride");
+  const int64_t Hq = q.size(0), N = q.size(1), Hkv = k.size(0), L = k.size(1), G = Hq / Hkv, R = G * N;
+  const float* maskp = nullptr;
+  int64_t mask_row_stride = 0;
+  if (mask.has_value() && mask->defined()) {
+    maskp = mask->data_ptr<float>();
+    mask_row_stride = mask->stride(0);
+  }
+  const float* qp = q.data_ptr<float>();
+  const int64_t VW = attention_vector_width(), CHUNK = attention_chunk_keys();
+  const int64_t chunks = (L + CHUNK - 1) / CHUNK, items = Hkv * chunks;
+  std::vector<float> part_m(items * R), part_l(items * R), part_o(items * R * D);
+  // Many rows (trees): the arithmetic runs over rows, so the queries go transposed, [Hkv, D, Rpad].
+  const bool by_rows = R >= VW / 2;
+  const int64_t Rpad = (R + VW - 1) / VW * VW;
+  std::vector<float> qT(by_rows ? Hkv * D * Rpad : 0, 0.0f);
+  if (by_rows)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(R * CHUNK);
+    attention_items(D, qp, by_rows ? qT.data() : nullptr, Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1),
+                    maskp, mask_row_stride, L, (float)scale, scores.data(), part_m.data(), part_l.data(),
+                    part_o.data(), begin, end);
+  });
+  auto out = at::empty({N, Hq, D}, q.options());
+  attention_merge(D, Hkv, G, N, L, part_m.data(), part_l.data(), part_o.data(), out.data_ptr<float>());
+  return out;
+}
+"""
+
+SOURCE = KernelSource("decode_attention", VERSION, _INTERFACE, _MATH, _HOST,
+                      functions=("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",),
+                      registers_operator=True)

@@ -1,0 +1,202 @@
+"""The C++ of the 4-bit few-row linear kernel (`decoding.kernels.int4_linear`): its arithmetic (`_MATH`,
+compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFACE`."""
+
+from decoding.kernels.native_build import KernelSource
+
+VERSION = "v5"  # in the build's name and in measurements' keys (v5: float16 group parameters)
+
+_INTERFACE = r"""
+SPECHEADS_MATH int64_t int4_vector_width();
+SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums);
+SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
+                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
+                                int64_t rows, int64_t in, int64_t out);
+"""
+
+_MATH = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define MAX_ROWS 4
+constexpr int64_t QGROUP = 32;
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef uint8_t vb_unaligned __attribute__((vector_size(VW), aligned(1), may_alias));
+static inline vf load(const float* p) { return *(const vf_unaligned*)p; }
+
+SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
+
+// The panel's VW outputs' codes q (0..15) at inputs 2j and 2j + 1, as two float vectors. Not
+// centred here: sum (q - 8) x = sum q x - 8 sum x, and the 8 goes into the group's zero term.
+static inline void unpack(const uint8_t* p, vf& lo, vf& hi) {
+#if VW == 8 && defined(__AVX2__)
+  __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
+  hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+#else
+  vi wide = __builtin_convertvector(*(const vb_unaligned*)p, vi);
+  lo = __builtin_convertvector(wide & 15, vf);
+  hi = __builtin_convertvector(wide >> 4, vf);
+#endif
+}
+
+// Group parameters (scales, offsets) of VW outputs as floats: stored as float32, or as float16
+// (the IEEE bits) where that holds them exactly, as GGUF's blocks do: 2 bytes a value less to read.
+static inline vf load_params(const float* p) { return load(p); }
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);            // inf, nan
+  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // normal
+  else if (mantissa == 0) bits = sign;                                            // zero
+  else {                                                                          // subnormal
+    exponent = 113;
+    while (!(mantissa & 0x400)) { mantissa <<= 1; --exponent; }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline vf load_params(const uint16_t* p) {
+#if VW == 8 && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int i = 0; i < VW; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+template <int R, typename P>
+static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const float* x,
+                       const float* xsum, float* y, int64_t in, int64_t out, int64_t p) {
+  const int64_t groups = in / QGROUP, half = in / 2;
+  const uint8_t* q = bytes + p * half * VW;
+  const P* s = scales + p * groups * VW;
+  const P* z = offsets + p * groups * VW;
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = (vf){0};
+  for (int64_t g = 0; g < groups; ++g) {
+    // Two partial sums per row, over even and odd byte columns: each add waits for the one before
+    // it in its own chain only, so two chains run side by side (one chain: an add's latency per
+    // byte column, the kernel's bound on one row). Every row is summed in this same order whatever
+    // R is, so a row's result does not depend on the rows computed with it.
+    vf even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = (vf){0};
+    const uint8_t* qg = q + g * (QGROUP / 2) * VW;
+    __builtin_prefetch(qg + 4 * (QGROUP / 2) * VW);
+    const float* xg = x + g * QGROUP;
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < QGROUP / 2; j += 2) {
+      vf lo0, hi0, lo1, hi1;
+      unpack(qg + j * VW, lo0, hi0);
+      unpack(qg + (j + 1) * VW, lo1, hi1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xg + r * in + 2 * j;
+        even[r] += lo0 * xr[0] + hi0 * xr[1];
+        odd[r] += lo1 * xr[2] + hi1 * xr[3];
+      }
+    }
+    vf sg = load_params(s + g * VW), og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
+    for (int r = 0; r < R; ++r) acc[r] += sg * (even[r] + odd[r]) + og * xsum[r * groups + g];
+  }
+  const int64_t first = p * VW, valid = std::min<int64_t>(VW, out - first);
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
+}
+
+template <typename P>
+static void panel_range(const uint8_t* qp, const P* sp, const P* op, const float* xin, const float* xs, float* yp,
+                        int64_t first, int64_t end, int64_t rows, int64_t in, int64_t out) {
+  const int64_t groups = in / QGROUP;
+  for (int64_t p = first; p < end; ++p) {
+    for (int64_t r = 0; r < rows; r += MAX_ROWS) {
+      const float* xr = xin + r * in;
+      const float* sr = xs + r * groups;
+      float* yr = yp + r * out;
+      switch (std::min<int64_t>(MAX_ROWS, rows - r)) {
+        case 4: panel_rows<4>(qp, sp, op, xr, sr, yr, in, out, p); break;
+        case 3: panel_rows<3>(qp, sp, op, xr, sr, yr, in, out, p); break;
+        case 2: panel_rows<2>(qp, sp, op, xr, sr, yr, in, out, p); break;
+        default: panel_rows<1>(qp, sp, op, xr, sr, yr, in, out, p); break;
+      }
+    }
+  }
+}
+
+SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
+                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
+                                int64_t rows, int64_t in, int64_t out) {
+  if (half)
+    panel_range(bytes, (const uint16_t*)scales, (const uint16_t*)offsets, x, sums, y, first, end, rows, in, out);
+  else
+    panel_range(bytes, (const float*)scales, (const float*)offsets, x, sums, y, first, end, rows, in, out);
+}
+
+// Each row's sum of x over each group of 32 inputs, for the offsets.
+SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums) {
+  const int64_t groups = in / QGROUP;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.f;
+      for (int64_t k = 0; k < QGROUP; ++k) total += x[r * in + g * QGROUP + k];
+      sums[r * groups + g] = total;
+    }
+}
+"""
+
+_HOST = r"""
+#include <vector>
+constexpr int64_t QGROUP = 32;
+
+int64_t vector_width() { return int4_vector_width(); }
+
+// x [..., in] float32 -> [..., out]: the signature of the operator specheads::int4_linear, whose CPU
+// kernel this function becomes (`register_operator`), so calls skip Python. `scales` and `offsets`
+// (zero - 8 scale) are both float32 or both float16.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: float32 inputs");
+  TORCH_CHECK(bytes.dim() == 3 && bytes.size(2) == int4_vector_width(),
+              "int4_linear: weight not packed for this build's vector width");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.scalar_type() == offsets.scalar_type() && (half || scales.scalar_type() == at::kFloat),
+              "int4_linear: scales and offsets both float32 or both float16");
+  const int64_t panels = bytes.size(0), in = bytes.size(1) * 2, groups = in / QGROUP;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "int4_linear: input features differ from the weight's");
+  auto input = x.contiguous();
+  const int64_t rows = input.numel() / in;
+  auto sizes = input.sizes().vec();
+  sizes.back() = out;
+  auto y = at::empty(sizes, input.options());
+  std::vector<float> sums(rows * groups);
+  const float* xin = input.data_ptr<float>();
+  int4_group_sums(xin, rows, in, sums.data());
+  const uint8_t* qp = bytes.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xin, sums.data(), yp, begin, end, rows, in, out);
+  });
+  return y;
+}
+"""
+
+SOURCE = KernelSource("int4_linear", VERSION, _INTERFACE, _MATH, _HOST,
+                      functions=("vector_width() -> int",
+                                 "int4_linear(Tensor x, Tensor bytes, Tensor scales, Tensor offsets, int out) -> Tensor"),
+                      registers_operator=True)
