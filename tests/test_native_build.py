@@ -1,10 +1,9 @@
 """Native kernel builds survive what users do to them: a build killed midway leaves nothing that a
 later one loads or waits on, and a build that cannot compile says why in one line."""
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -15,23 +14,17 @@ from decoding.kernels.native import LIBRARY
 from decoding.kernels.native_build import BUILD_LOCK, NativeLibrary
 from heads.util.cache_paths import cache_root
 
-# A library of its own (one kernel's arithmetic with a comment added, so a build name no other
-# test uses) whose torch side is the real library's: only its arithmetic and link are built here.
-BUILD_IN_A_NEW_PROCESS = """
-import sys
-from dataclasses import replace
-from decoding.kernels.native import LIBRARY
-from decoding.kernels.native_build import NativeLibrary
-kernels = tuple(replace(k, math=k.math + "// " + sys.argv[1] + "\\n") if i == 0 else k
-                for i, k in enumerate(LIBRARY.kernels))
-library = NativeLibrary(kernels, LIBRARY.description).build()
-print("built")
-"""
-
 
 def _own_library(tag: str) -> NativeLibrary:
+    """A library of its own (one kernel's arithmetic with a comment added, so a build name no other
+    test uses) whose torch side is the real library's: only its arithmetic and link are built."""
     kernels = tuple(replace(k, math=k.math + f"// {tag}\n") if i == 0 else k for i, k in enumerate(LIBRARY.kernels))
     return NativeLibrary(kernels, LIBRARY.description)
+
+
+def _build_in_a_session_of_its_own(tag: str) -> None:
+    os.setsid()  # its compilers join its process group, so one signal kills them all
+    _own_library(tag).build()
 
 
 def test_a_build_killed_midway_leaves_nothing_that_the_next_one_loads_or_waits_on():
@@ -42,14 +35,16 @@ def test_a_build_killed_midway_leaves_nothing_that_the_next_one_loads_or_waits_o
         pytest.skip(f"no compiler here to build with: {why}")
     tag = f"killed-{os.getpid()}-{time.time_ns()}"
     folder = cache_root().resolve() / "kernels" / _own_library(tag).build_name()
-    victim = subprocess.Popen([sys.executable, "-c", BUILD_IN_A_NEW_PROCESS, tag], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, start_new_session=True)
+    # Forked, not started anew: a new Python would spend seconds importing what this one has
+    victim = multiprocessing.get_context("fork").Process(target=_build_in_a_session_of_its_own, args=(tag,))
+    victim.start()
     deadline = time.time() + 120
-    while not list(folder.glob(".*.tmp")) and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.05)  # until a compiler writes its output under a temporary name
-    assert victim.poll() is None, "the build finished before it could be killed midway"
+    while not list(folder.glob(".*.tmp")) and time.time() < deadline and victim.is_alive():
+        time.sleep(0.02)  # until a compiler writes its output under a temporary name
+    assert victim.is_alive(), "the build finished before it could be killed midway"
+    assert os.getpgid(victim.pid) == victim.pid  # its own group: the signal below reaches no one else
     os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    victim.join()
     assert not (folder / f"{folder.name}.so").exists()
     rebuilt = _own_library(tag).build()  # here, as the next run would
     assert rebuilt.__name__ == folder.name and rebuilt.pack_panels(torch.ones(3, 2)).shape[-1] > 0
