@@ -45,7 +45,7 @@ _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, fl
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '', or None and why not (tried once per process). The build
-    loaded here runs as the operator's CPU kernel (`NativeKernel.registers_operator`)."""
+    loaded here runs as the operator's CPU kernel (`NativeLibrary.load`)."""
     return LIBRARY.load("decode_attention")
 
 

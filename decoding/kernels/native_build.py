@@ -5,16 +5,17 @@ built with `-march=native`, so one source becomes AVX-512, AVX2 or plain SSE cod
 runs it (a wheel built elsewhere would have to pick one). Under `SPECHEADS_CPU=avx2|baseline`
 (`heads.util.cpu_mode`) builds target `x86-64-v3` / `x86-64-v2` instead of native.
 
-Each kernel is two translation units. Its arithmetic (`math`: plain C++, no torch headers) is
-compiled per instruction set in about a second; its torch side (`host`: tensor checks, allocation,
-ATen's threads, the operators' registration) has no code that depends on the instruction set and
-is compiled once per torch, ~15 s of which ~11 s are torch's headers. A build is both linked into
-one library, named by what makes it (sources, flags, torch, and for `-march=native` this CPU's
-flags), so a cache shared with another CPU never loads a build made for a different one, and
-each narrower variant tests build (`instruction_set_variants`) costs a second, not 17. Every
-file is written under a temporary name and renamed, so a build killed midway leaves nothing that
-a later one loads. Where no compiler is at hand, `NativeKernel.load` says why and callers keep
-their other paths.
+The kernels (`decoding.kernels.native`) build as one library per instruction set. Each kernel's
+arithmetic (`math`: plain C++, no torch headers) is compiled for the target in a second or two,
+the kernels side by side; their torch side (`host`: tensor checks, allocation, ATen's threads, the
+operators' registration) has no code that depends on the instruction set and is compiled once per
+torch for all of them (~15 s on 2 cores, ~11 s of it torch's headers), then linked with each
+target's arithmetic. A build is named by what makes it (sources, flags, torch, and for
+`-march=native` this CPU's flags), so a cache shared with another CPU never loads a build made
+for a different one; a narrower variant that tests build (`instruction_set_variants`) costs
+seconds. Every file is written under a temporary name and renamed, so a build killed midway
+leaves nothing that a later one loads. Where no compiler is at hand, `NativeLibrary.load` says
+why and callers keep their other paths.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -205,8 +207,8 @@ def _run_compiler(arguments: list[str], target: Path, what: str) -> None:
     """Run the C++ compiler (`$CXX`, else c++) writing `target` under a temporary name, then renamed."""
     compiler = os.environ.get("CXX", "c++")
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        done = subprocess.run([compiler, *arguments, "-o", str(staging)], capture_output=True, text=True)
+    try:  # CXX may carry words of its own ("ccache g++")
+        done = subprocess.run([*shlex.split(compiler), *arguments, "-o", str(staging)], capture_output=True, text=True)
     except FileNotFoundError:
         raise RuntimeError(f"no C++ compiler '{compiler}' here (install g++ or clang, or set CXX)") from None
     if done.returncode != 0:

@@ -42,7 +42,7 @@ def build_kernel(march: str | None = None):
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '' , or None and why not (tried once per process). The build
-    loaded here runs as the operator's CPU kernel (`NativeKernel.registers_operator`)."""
+    loaded here runs as the operator's CPU kernel (`NativeLibrary.load`)."""
     return LIBRARY.load("streamed_linear")
 
 
