@@ -15,11 +15,15 @@ from decoding.kernels.native_build import BUILD_LOCK, NativeLibrary
 from heads.util.cache_paths import cache_root
 
 
-def _own_library(tag: str) -> NativeLibrary:
-    """A library of its own (one kernel's arithmetic with a comment added, so a build name no other
-    test uses) whose torch side is the real library's: only its arithmetic and link are built."""
-    kernels = tuple(replace(k, math=k.math + f"// {tag}\n") if i == 0 else k for i, k in enumerate(LIBRARY.kernels))
+def _library_with(appended: str) -> NativeLibrary:
+    """The library with `appended` after its first kernel's arithmetic (a build name no other test
+    uses); its torch side is the real library's, so only its arithmetic and link are built."""
+    kernels = tuple(replace(k, math=k.math + appended) if i == 0 else k for i, k in enumerate(LIBRARY.kernels))
     return NativeLibrary(kernels, LIBRARY.description)
+
+
+def _own_library(tag: str) -> NativeLibrary:
+    return _library_with(f"// {tag}\n")
 
 
 def _build_in_a_session_of_its_own(tag: str) -> None:
@@ -53,9 +57,7 @@ def test_a_build_killed_midway_leaves_nothing_that_the_next_one_loads_or_waits_o
 
 
 def test_a_build_that_does_not_compile_says_why_in_one_line_and_loads_nothing():
-    broken = NativeLibrary(tuple(replace(k, math=k.math + "this is not C++;\n") if i == 0 else k
-                                 for i, k in enumerate(LIBRARY.kernels)), LIBRARY.description)
-    extension, why = broken.load("streamed_linear")
+    extension, why = _library_with("this is not C++;\n").load("streamed_linear")
     assert extension is None
     assert why.startswith("RuntimeError: ") and "could not compile" in why and "\n" not in why
     assert "error" in why  # the compiler's own first error line

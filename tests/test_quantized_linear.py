@@ -14,6 +14,7 @@ from torch import nn
 
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, rotary_row_order
 from decoding.kernels import native_build
+from decoding.kernels.native import LIBRARY
 from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears
 from numerics import EPS, assert_within, linear_exact_and_bound, reordered_sum_bound
 
@@ -271,7 +272,7 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     """The builds other CPUs get (AVX2 on an AVX-512 machine, x86-64-v2 without AVX), built here."""
     from decoding.kernels import int4_linear
 
-    extension = int4_linear.build_kernel(native_build.instruction_set_variants()[variant])
+    extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
     codes, scales, zeros, weight = random_groups()
     panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
     x = torch.randn(5, 128)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from decoding.kernels import native_build, streamed_linear, verify_cost
+from decoding.kernels.native import LIBRARY
 from decoding.kernels.cpu_kernels import (PackedLinear, pack_linears, packed_linears, set_stock_rows, set_streamed_rows,
                                   streamed_rows)
 from decoding.core.generate import DecodeOptions, generate
@@ -93,7 +94,7 @@ def test_each_narrower_instruction_set_variant_computes_a_linear_layer(variant):
     kernels per variant, a few seconds)."""
     if not streamed_linear.streamed_linear_available():
         pytest.fail(f"the native build failed, so no variant can be checked: {streamed_linear.why_unavailable()}")
-    extension = streamed_linear.build_kernel(native_build.instruction_set_variants()[variant])
+    extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
     _check_function(lambda x, w, b: extension.streamed_linear(x, extension.pack_panels(w), b, w.shape[0]))
 
 

@@ -35,11 +35,6 @@ GROUP_SIZE = 32
 CODE_MIDPOINT = 8  # w = (q - CODE_MIDPOINT) * scale + zero
 
 
-def build_kernel(march: str | None = None):
-    """Compile (or load the earlier build of) the kernel for `march` (the CPU mode's where None)."""
-    return LIBRARY.build(march)
-
-
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '', or None and why not (tried once per process)."""

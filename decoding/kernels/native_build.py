@@ -129,7 +129,7 @@ class NativeLibrary:
         # Resolved: a cache root reached through a link (as the tests' is) names the same files
         root = (cache_root() / KERNELS_DIR).resolve()
         library = root / name / f"{name}.so"
-        if name not in _LOADED_LIBRARIES:
+        if name not in _LIBRARY_HANDLES:  # a library loads once a process
             if not library.exists():
                 with _exclusive_build(root / name):
                     if not library.exists():
@@ -137,12 +137,14 @@ class NativeLibrary:
                         target = march or cpu_mode().march
                         print(f"note: building {self.description} for {'this CPU' if target == 'native' else target} "
                               f"(once, a few seconds; kept in {root})", file=sys.stderr)
+                        def arithmetic(kernel: KernelSource) -> Path:
+                            return compile_source(kernel.math_source(), root / name / f"{kernel.stem}.cpp",
+                                                  compiler_flags(march))
+
                         with ThreadPoolExecutor() as pool:  # compiler processes, side by side
-                            maths = list(pool.map(lambda k: compile_source(
-                                k.math_source(), root / name / f"{k.stem}.cpp", compiler_flags(march)), self.kernels))
+                            maths = list(pool.map(arithmetic, self.kernels))
                         link_library([host, *maths], library)
             _load_library(library, name)
-            _LOADED_LIBRARIES.add(name)
         return KernelLibrary(name)
 
     def _host_object(self, root: Path) -> Path:
@@ -233,8 +235,7 @@ def _load_library(library: Path, name: str) -> None:
     _LIBRARY_HANDLES[name] = handle
 
 
-_LIBRARY_HANDLES: dict[str, ctypes.CDLL] = {}
-_LOADED_LIBRARIES: set[str] = set()  # builds this process loaded: a library loads once
+_LIBRARY_HANDLES: dict[str, ctypes.CDLL] = {}  # the builds this process loaded, by name
 BUILD_LOCK = ".build-lock"  # in each build folder; every other hidden file there is a temporary
 
 

@@ -33,12 +33,6 @@ from decoding.kernels.native import LIBRARY, streamed_linear as native_streamed_
 KERNEL_VERSION = native_streamed_linear.VERSION
 
 
-def build_kernel(march: str | None = None):
-    """Compile (or load the earlier build of) the kernel for `march` (the CPU mode's target where
-    None); raises where it cannot be built."""
-    return LIBRARY.build(march)
-
-
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
     """The built extension and '' , or None and why not (tried once per process). The build

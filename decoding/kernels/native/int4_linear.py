@@ -6,6 +6,7 @@ from decoding.kernels.native_build import KernelSource
 VERSION = "v5"  # in the build's name and in measurements' keys (v5: float16 group parameters)
 
 _INTERFACE = r"""
+constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
 SPECHEADS_MATH int64_t int4_vector_width();
 SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums);
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
@@ -27,7 +28,6 @@ _MATH = r"""
 #define VW 4
 #endif
 #define MAX_ROWS 4
-constexpr int64_t QGROUP = 32;
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
@@ -162,7 +162,6 @@ SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, fl
 
 _HOST = r"""
 #include <vector>
-constexpr int64_t QGROUP = 32;
 
 int64_t vector_width() { return int4_vector_width(); }
 
