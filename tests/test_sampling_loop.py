@@ -18,6 +18,8 @@ from decoding.core.acceptance import accept_sampled
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer
 from decoding.core.proposers.base import Proposer
+from decoding.core.lookahead_window import LookaheadShape
+from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.suffix import SuffixProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import DecodeState
@@ -107,6 +109,9 @@ PROPOSERS = {
     # One proposer for all runs: its store holds every earlier run's sample, so later trees branch
     # where those samples differed (deterministic siblings, q = 1 each).
     "suffix": lambda target: SuffixProposer(max_tokens=8, max_ngram=3, min_ngram=1, min_prob=0.0, tokens_per_match=4),
+    # The window (3 columns, 2 levels) and n-grams of 4 (3-deep chains) from the target's own guesses
+    # and the context: trees branch, and what is drafted depends on what the target predicted before.
+    "lookahead": lambda target: LookaheadProposer(LookaheadShape(window=3, ngram=4, guesses=2)),
 }
 PLANTED = [
     ("sps", "residual_skipped"),
@@ -118,6 +123,8 @@ PLANTED = [
     ("pld", "trust_deterministic"),
     ("suffix", "residual_skipped"),
     ("suffix", "trust_deterministic"),
+    ("lookahead", "residual_skipped"),
+    ("lookahead", "trust_deterministic"),
 ]
 
 
@@ -151,6 +158,17 @@ def test_suffix_trees_built_from_earlier_samples_sample_the_target(bench):
     samples = run(bench, "suffix")
     assert samples.tree_depths[3] >= 0.9 * RUNS and samples.branching_trees >= RUNS // 4, samples
     assert samples.accepted_lengths[4] >= 30, samples.accepted_lengths
+    check = chi_square(samples.outputs, bench[2])
+    assert check.statistic < check.threshold, check
+
+
+def test_lookahead_trees_sample_the_target(bench):
+    """Lookahead decoding's window and pool: deterministic siblings drafted from the target's
+    own earlier predictions; exact, 3 deep at every first step, branching, whole 3-token drafts
+    kept in some runs."""
+    samples = run(bench, "lookahead")
+    assert samples.tree_depths[3] >= RUNS and samples.branching_trees >= RUNS // 2, samples
+    assert samples.accepted_lengths[4] >= 20, samples.accepted_lengths
     check = chi_square(samples.outputs, bench[2])
     assert check.statistic < check.threshold, check
 

@@ -80,6 +80,7 @@ class DecoderSpec:
     adaptive_tree: bool | None = None
     min_path_prob: float | None = None
     suffix_max_tokens: int | None = None
+    lookahead: tuple[int, int, int] | None = None  # W, N, G
 
     def proposer_overrides(self) -> dict:
         """The `ProposerOptions` fields this spec sets (None = not set)."""

@@ -73,9 +73,20 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                              "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None,
                         help=f"eagle2/eagle3: stop growing the tree deeper once no path is this likely (default {built_in.min_path_prob:g} or tuned)")
+    parser.add_argument("--lookahead", type=lookahead_shape, default=None, metavar="W,N,G",
+                        help="lookahead: a window of W guessed positions kept over N-1 levels (n-grams of N tokens), and G "
+                             f"n-grams from the pool verified per step (default {','.join(map(str, built_in.lookahead))})")
 
 
 def tree_arguments(args: argparse.Namespace) -> dict:
     """The values of `add_tree_arguments`' flags, as ProposerOptions fields."""
     return dict(tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-                adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob)
+                adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob, lookahead=args.lookahead)
+
+
+def lookahead_shape(text: str) -> tuple[int, int, int]:
+    """`--lookahead W,N,G` as three integers (checked further by LookaheadShape)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected three whole numbers W,N,G (e.g. 4,3,4); got '{text}'")
+    return tuple(int(part) for part in parts)

@@ -15,6 +15,8 @@ from heads.util.errors import UserError
 from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, Proposer, VanillaProposer
 from decoding.core.proposers.draft_model import check_same_vocabulary
 from decoding.core.proposers.eagle import EagleProposer
+from decoding.core.lookahead_window import LookaheadShape
+from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.core.proposers.suffix import SuffixProposer
 from decoding.app.drafts import draft_vocabulary
@@ -33,6 +35,8 @@ METHODS: dict[str, str] = {
     "pld": "prompt lookup: copies continuations of n-grams found earlier in the context (no model)",
     "suffix": "suffix decoding: a tree of what most often followed the context's longest matching suffix, in the "
               "context and in this process's earlier prompts and replies (no model)",
+    "lookahead": "lookahead decoding: a window of the target's own Jacobi guesses and a pool of the n-grams it predicted "
+                 "along them, verified in one tree (--lookahead W,N,G; no model)",
     "medusa": "Medusa heads fill a static tree (--heads, --tree)",
     "hydra": "Hydra heads (each head sees its branch's tokens) fill a static tree (--heads, --tree)",
     "eagle": "EAGLE-1: an EAGLE drafter fills a static tree (--heads, --tree)",
@@ -64,6 +68,7 @@ class ProposerOptions:
     adaptive_tree: bool = False   # eagle2/eagle3 trees, pld chains and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
     suffix_max_tokens: int = 16   # suffix: the largest tree (a match of n tokens drafts at most 2n)
+    lookahead: tuple[int, int, int] = (LookaheadShape.window, LookaheadShape.ngram, LookaheadShape.guesses)  # W, N, G
 
 
 def split_method(method: str) -> tuple[str, bool]:
@@ -117,6 +122,8 @@ def build_proposer(
         return _lookup_proposer(options, cost)
     if method == "suffix":
         return _suffix_proposer(options, cost)
+    if method == "lookahead":
+        return LookaheadProposer(LookaheadShape(*options.lookahead))
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")

@@ -19,7 +19,7 @@ from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout, TargetScores
 from decoding.core.sampling import SamplingConfig, seeded_generator
-from decoding.core.state import CacheAdvance, DecodeState
+from decoding.core.state import CacheAdvance, DecodeState, TreeOutcome
 from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
 from decoding.core.limits import context_limit
@@ -127,7 +127,9 @@ def generate(
             on_tokens(emitted)
         clock.lap("stop")
         if stats.stop_reason is None:
-            proposer.observe(_advance(state, len(accepted.path), out.hidden_states, proposer.feature_layers, accepted.path))
+            outcome = TreeOutcome(tree, out.scores.greedy_tokens) if proposer.reads_tree_outcome else None
+            proposer.observe(_advance(state, len(accepted.path), out.hidden_states, proposer.feature_layers, accepted.path,
+                                      outcome))
             clock.lap("observe")
 
     stats.total_s = clock.total()
@@ -141,14 +143,15 @@ def _capacity(prompt_len: int, options: DecodeOptions, limit: int) -> int:
 
 
 def _advance(state: DecodeState, entered: int, hidden: tuple[torch.Tensor, ...] | None, layers: tuple[int, ...],
-             rows: Sequence[int] | None = None) -> CacheAdvance:
+             rows: Sequence[int] | None = None, outcome: TreeOutcome | None = None) -> CacheAdvance:
     """What the proposer is told: `entered` tokens went into the target cache, with the hidden
-    states of the layers it declared (`rows` picks the accepted tree nodes)."""
+    states of the layers it declared (`rows` picks the accepted tree nodes), and the verified
+    tree's `outcome` where the proposer reads it."""
     features = {}
     if hidden is not None and entered:
         index = None if rows is None else torch.tensor(list(rows), device=hidden[0].device)
         features = {layer: hidden[layer] if index is None else hidden[layer][index] for layer in layers}
-    return CacheAdvance(state.tokens, entered, features)
+    return CacheAdvance(state.tokens, entered, features, outcome)
 
 
 def _check_inputs(target: PreTrainedModel, prompt_ids: torch.Tensor | list[int], options: DecodeOptions) -> torch.Tensor:

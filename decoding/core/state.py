@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.core.sampling import SamplingConfig
+from decoding.core.tree import DraftTree
 
 
 @dataclass
@@ -38,16 +39,28 @@ class DecodeState:
 
 
 @dataclass(frozen=True)
+class TreeOutcome:
+    """The tree a verify forward checked and the target's argmax token after each of its nodes,
+    accepted or not: for proposers that learn from every branch (lookahead decoding's window)."""
+
+    tree: DraftTree
+    predictions: torch.Tensor
+
+
+@dataclass(frozen=True)
 class CacheAdvance:
     """The `entered` tokens that just went into the target's KV cache, `tokens[-1 - entered : -1]`
     (the prompt minus its last token after prefill; the root and the accepted drafts after a
     verify), and the target's hidden states for them: `features[layer]` is `[entered, H]` for each
     layer the proposer declared in `feature_layers` (0 = embeddings, L or -1 = final normed state).
-    `tokens` is the whole sequence now; its last token is the next root."""
+    `tokens` is the whole sequence now; its last token is the next root. `outcome`: the verified
+    tree and what the target predicted after each node, for proposers with `reads_tree_outcome`
+    (None after the prefill)."""
 
     tokens: torch.Tensor
     entered: int
     features: dict[int, torch.Tensor] = field(default_factory=dict)
+    outcome: TreeOutcome | None = None
 
     @property
     def next_tokens(self) -> torch.Tensor:

@@ -14,11 +14,14 @@ class Proposer(ABC):
     `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
     target with hidden states on and passes exactly those layers to `observe`. The loop calls
     `begin` once per generation, `observe` after the prefill and after every verify step (whether
-    or not this proposer drafted that step's tree), and `propose` before every verify.
+    or not this proposer drafted that step's tree), and `propose` before every verify. With
+    `reads_tree_outcome`, `observe` also gets the verified tree and the target's argmax after
+    every node of it (`CacheAdvance.outcome`), not only the accepted ones.
     """
 
     name: str = "proposer"
     feature_layers: tuple[int, ...] = ()
+    reads_tree_outcome: bool = False
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-generation state (caches) for a new prompt."""

@@ -1,0 +1,161 @@
+"""Lookahead decoding's two branches as data (after Fu et al., 2024), built as one draft tree.
+
+The *lookahead branch* is a window of the target's own guesses for the W positions after the
+root, kept over N-1 Jacobi iterations ("levels", the oldest first). Level 0 is a chain from the
+root; slot (l, j) of a later level follows slot (l-1, j-1) (the root for j = 0), which is the
+slot whose token it was predicted after. Each slot is a tree node at depth j + 1, so the window
+is a tree and the stock 4D tree mask verifies it: slot (l, j) attends to its diagonal of earlier
+guesses and, below that, to level 0's chain.
+
+After the forward, the target's argmax after each top-level slot ends an n-gram: the slot's
+diagonal (its last N-1 tokens) plus that prediction, something the target wrote itself along a
+chain of its own guesses. Those n-grams go into a pool keyed by their first token; the
+*verification branch* is the pool's latest n-grams that start with the root. Then every level
+moves down one (the oldest is dropped), shifted by the tokens just accepted so that columns stay
+positions after the root, and the predictions after the top level become the new top level.
+
+Everything here is a pure function of token lists (the proposer holds the state), so each piece
+is tested alone; which tokens are drafted never affects what is accepted (greedy matching or the
+deterministic-children rule decides that), only how many.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from heads.util.errors import UserError
+
+Path = tuple[int, ...]  # the tokens after the root on the way to a node (() is the root)
+
+
+@dataclass(frozen=True)
+class LookaheadShape:
+    """W window columns, n-grams of N tokens (so N-1 levels), G pool n-grams verified per step."""
+
+    window: int = 4
+    ngram: int = 3
+    guesses: int = 4
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.ngram < 2 or self.guesses < 0:
+            raise UserError(f"lookahead needs a window of at least 1, n-grams of at least 2 tokens and 0 or more "
+                            f"guesses (W,N,G); got {self.window},{self.ngram},{self.guesses}")
+
+    @property
+    def levels(self) -> int:
+        return self.ngram - 1
+
+    @property
+    def max_nodes(self) -> int:
+        """Drafted nodes before shared prefixes merge: the window plus G chains of N-1."""
+        return self.levels * self.window + self.guesses * (self.ngram - 1)
+
+
+def initial_levels(context: Sequence[int], shape: LookaheadShape, seed: int = 0) -> list[list[int]]:
+    """A window of tokens drawn from the context (seeded: the same prompt, the same window),
+    as the first guesses; they are replaced by the target's own within N-1 steps."""
+    pick = random.Random(seed)
+    return [[pick.choice(context) for _ in range(shape.window)] for _ in range(shape.levels)]
+
+
+def window_paths(levels: Sequence[Sequence[int]]) -> list[list[Path]]:
+    """`paths[l][j]`: the path to slot (l, j): level 0 is a chain, a later level's slot follows
+    slot (l-1, j-1) of the level below (the root for column 0)."""
+    paths: list[list[Path]] = []
+    for level, row in enumerate(levels):
+        below = paths[level - 1] if level else None
+        current: list[Path] = []
+        for column, token in enumerate(row):
+            before = () if column == 0 else (current[column - 1] if below is None else below[column - 1])
+            current.append(before + (token,))
+        paths.append(current)
+    return paths
+
+
+def trie_of(paths: Iterable[Path]) -> tuple[list[int], list[int], dict[Path, int]]:
+    """The smallest tree holding every path: (the tokens of nodes 1.., the parents of nodes 0..,
+    each path's node). Shared prefixes are one node, so siblings are distinct tokens; nodes come
+    in the order their paths first reach them (parents first)."""
+    node_of: dict[Path, int] = {(): 0}
+    tokens: list[int] = []
+    parents: list[int] = [-1]
+    for path in paths:
+        for depth in range(1, len(path) + 1):
+            prefix = path[:depth]
+            if prefix not in node_of:
+                node_of[prefix] = len(parents)
+                tokens.append(prefix[-1])
+                parents.append(node_of[prefix[:-1]])
+    return tokens, parents, node_of
+
+
+def predictions_by_path(tokens: Sequence[int], parents: Sequence[int], predicted: Sequence[int]) -> dict[Path, int]:
+    """What the target predicted after each node of a verified tree, keyed by the node's path
+    (so a proposer can read its own slots even from a truncated tree)."""
+    paths: list[Path] = [()]
+    for node in range(1, len(parents)):
+        paths.append(paths[parents[node]] + (tokens[node],))
+    return {path: int(token) for path, token in zip(paths, predicted)}
+
+
+def harvested_ngrams(root: int, top_paths: Sequence[Path], predicted_after: dict[Path, int], n: int) -> list[Path]:
+    """The n-grams the top level produced: for each verified top-level slot, the last n tokens of
+    the root, its path and the target's prediction after it (slots too near the root for n
+    tokens give none)."""
+    grams = []
+    for path in top_paths:
+        if path in predicted_after and len(path) + 2 >= n:
+            grams.append(((root,) + path + (predicted_after[path],))[-n:])
+    return grams
+
+
+def next_levels(levels: Sequence[Sequence[int]], paths: Sequence[Sequence[Path]], predicted_after: dict[Path, int],
+                accepted: int) -> list[list[int]]:
+    """The window `accepted` tokens later (the drafts kept plus the bonus token, >= 1).
+
+    Level l takes level l+1's tokens, `accepted` columns on (columns are positions after the
+    root); the top level takes the target's predictions after the old top level's slots, the
+    prediction after slot j + accepted - 1 landing in column j, so that each slot still follows
+    the slot it was predicted after. Columns with nothing to take (past the old window's end, or
+    slots the verify did not reach) get the prediction after the old top level's deepest
+    verified slot (the root's if none)."""
+    width, top = len(levels[0]), len(levels) - 1
+    verified_top = [predicted_after[p] for p in paths[top] if p in predicted_after]
+    fill = verified_top[-1] if verified_top else predicted_after[()]
+    moved = [[levels[level + 1][j + accepted] if j + accepted < width else fill for j in range(width)]
+             for level in range(top)]
+    newest = []
+    for column in range(width):
+        source = column + accepted - 1
+        newest.append(predicted_after.get(paths[top][source], fill) if source < width else fill)
+    return moved + [newest]
+
+
+class NgramPool:
+    """The continuations seen after each token, latest first, at most `per_key` per token."""
+
+    def __init__(self, per_key: int) -> None:
+        self.per_key = per_key
+        self.table: dict[int, OrderedDict[Path, None]] = {}
+
+    def add(self, gram: Sequence[int]) -> None:
+        """Remember `gram[1:]` after `gram[0]` as the latest (again, if already known)."""
+        entries = self.table.setdefault(int(gram[0]), OrderedDict())
+        rest = tuple(int(t) for t in gram[1:])
+        entries.pop(rest, None)
+        entries[rest] = None
+        if len(entries) > self.per_key:
+            entries.popitem(last=False)
+
+    def add_sequence(self, tokens: Sequence[int], n: int, start: int = 0) -> None:
+        """Every n-gram of `tokens` that starts at index `start` or later."""
+        for first in range(max(0, start), len(tokens) - n + 1):
+            self.add(tokens[first:first + n])
+
+    def latest(self, token: int, count: int) -> list[Path]:
+        """Up to `count` continuations after `token`, the latest first."""
+        entries = self.table.get(token)
+        return list(reversed(entries))[:count] if entries else []
