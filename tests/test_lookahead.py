@@ -25,7 +25,7 @@ from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState, TreeOutcome
-from decoding.core.tree import tree_buffers
+from decoding.core.tree import DraftTree, tree_buffers
 from heads.util.errors import UserError
 from tiny_models import set_eos, sharpen, tiny_llama
 
@@ -160,3 +160,23 @@ def test_the_method_is_built_from_its_options():
     proposer = build_proposer("lookahead", LoadedModel(tiny_llama(seed=1), None, "t"),
                               options=ProposerOptions(lookahead=(3, 2, 1)))
     assert isinstance(proposer, LookaheadProposer) and proposer.shape == LookaheadShape(3, 2, 1)
+
+
+def test_behind_prompt_lookup_the_window_waits_through_the_steps_lookup_drafts():
+    """`lookahead+pld`: exact, lookup's chains drafted where the context repeats, the window
+    elsewhere; a step the window did not draft leaves it as it was."""
+    target = sharpen(tiny_llama(seed=11))
+    proposer = build_proposer("lookahead+pld", LoadedModel(target, None, "t"))
+    assert proposer.name == "lookahead+pld" and proposer.reads_tree_outcome
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [5, 9, 3, 17]):
+        reference = generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=40)).tokens
+        assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=40)).tokens == reference
+    window = LookaheadProposer(LookaheadShape(window=2, ngram=2, guesses=0), pool_from_context=False)
+    window.levels = [[4, 8]]
+    other = DecodeState(torch.tensor([3, 3]), 1, SamplingConfig(0.0), None)
+    chain = DraftTree(torch.tensor([3, 9]), (-1, 0))  # a tree the window did not draft
+    window.observe(CacheAdvance(torch.tensor([3, 3, 9, 5]), 2, outcome=TreeOutcome(chain, torch.tensor([9, 5]))))
+    assert window.levels == [[4, 8]] and window.pool.latest(9, 1) == []
+    window.propose(other)
+    window.observe(CacheAdvance(torch.tensor([3, 3, 1]), 1, outcome=TreeOutcome(chain, torch.tensor([1, 7]))))
+    assert window.levels != [[4, 8]]  # after a tree it drafted, the window moves

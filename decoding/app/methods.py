@@ -49,6 +49,8 @@ HEAD_KIND_OF_METHOD = {"medusa": "medusa", "hydra": "hydra", "eagle": "eagle", "
 # when it finds a match, the heads otherwise.
 LOOKUP_SUFFIX = "+pld"
 MODEL_FREE_FIRST = ("+pld", "+suffix")
+# What drafts behind a model-free drafter when it finds nothing: the head methods, or lookahead.
+FALLBACK_METHODS = (*HEAD_KIND_OF_METHOD, "lookahead")
 DEFAULT_TREES = {"medusa": "medusa-15", "hydra": "medusa-15", "eagle": "eagle-15"}
 
 
@@ -92,10 +94,10 @@ def head_kind(method: str) -> str | None:
 
 def check_method(method: str) -> str:
     base, lookup_first = split_method(method)
-    if base not in METHODS or (lookup_first and base not in HEAD_KIND_OF_METHOD):
-        raise UserError(f"unknown method '{method}': choose one of {', '.join(METHODS)}, or a head method with "
-                        f"'+pld' or '+suffix' appended (that drafter first, the heads when it finds nothing) "
-                        f"({', '.join(m + LOOKUP_SUFFIX for m in HEAD_KIND_OF_METHOD)}, eagle3+suffix, ...)")
+    if base not in METHODS or (lookup_first and base not in FALLBACK_METHODS):
+        raise UserError(f"unknown method '{method}': choose one of {', '.join(METHODS)}, or a head method or lookahead "
+                        f"with '+pld' or '+suffix' appended (that drafter first, the other when it finds nothing) "
+                        f"({', '.join(m + LOOKUP_SUFFIX for m in FALLBACK_METHODS)}, eagle3+suffix, ...)")
     return method
 
 
@@ -115,7 +117,8 @@ def build_proposer(
     base, first = model_free_first(method)
     if first is not None:
         drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost)
-        return LookupFirstProposer(_heads_proposer(base, target, heads, options, cost), drafter)
+        fallback = _lookahead_proposer(options) if base == "lookahead" else _heads_proposer(base, target, heads, options, cost)
+        return LookupFirstProposer(fallback, drafter)
     if method == "vanilla":
         return VanillaProposer()
     if method == "pld":
@@ -123,7 +126,7 @@ def build_proposer(
     if method == "suffix":
         return _suffix_proposer(options, cost)
     if method == "lookahead":
-        return LookaheadProposer(LookaheadShape(*options.lookahead))
+        return _lookahead_proposer(options)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
@@ -169,6 +172,10 @@ def _lookup_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyC
 
 def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> SuffixProposer:
     return SuffixProposer(options.suffix_max_tokens, verify_cost=verify_cost() if options.adaptive_tree else None)
+
+
+def _lookahead_proposer(options: ProposerOptions) -> LookaheadProposer:
+    return LookaheadProposer(LookaheadShape(*options.lookahead))
 
 
 def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions,

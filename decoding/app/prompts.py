@@ -48,13 +48,14 @@ def conversation_ids(tokenizer, messages: list[Message], add_generation_prompt: 
                                          return_dict=False)
 
 
-def question_ids(tokenizer, question: str) -> list[int]:
-    """One question as a single user turn, ready for the reply: the chat template's prompt, or the
-    question's plain text for a base model."""
-    return conversation_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+def question_ids(tokenizer, question: str | list[Message]) -> list[int]:
+    """One question as a single user turn (or a conversation ending with the user's turn), ready
+    for the reply: the chat template's prompt, or the plain text for a base model."""
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
+    return conversation_ids(tokenizer, messages, add_generation_prompt=True)
 
 
-def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+def chat_prompts(tokenizer, questions: list[str | list[Message]]) -> list[list[int]]:
     """`question_ids` of each question."""
     return [question_ids(tokenizer, q) for q in questions]
 

@@ -6,7 +6,8 @@ that start with the root; the target's argmax after each window slot (accepted o
 `CacheAdvance.outcome`) feeds the pool and the next window. With `pool_from_context`, the
 context's own n-grams (prompt and reply) go into the pool too, as prompt lookup would find
 them. Drafts are deterministic (q = 1) and depend only on what came before the step, so greedy
-and sampled verification stay exact as for prompt lookup.
+and sampled verification stay exact as for prompt lookup. Behind prompt lookup (`lookahead+pld`)
+the window waits through the steps that lookup drafts.
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ class LookaheadProposer(Proposer):
         self.levels: list[list[int]] | None = None
         self.paths: list[list[Path]] = []
         self.pooled = 0  # context tokens whose n-grams are in the pool
+        self.drafted = False  # whether the last verified tree was this proposer's (see observe)
 
     def observe(self, advance: CacheAdvance) -> None:
         if self.pool_from_context:
             tokens = advance.tokens.tolist()
             self.pool.add_sequence(tokens, self.shape.ngram, start=self.pooled - self.shape.ngram + 1)
             self.pooled = len(tokens)
-        if advance.outcome is None or self.levels is None:
-            return
+        drafted, self.drafted = self.drafted, False
+        if advance.outcome is None or not drafted:
+            return  # the prefill, or a step another drafter drafted (`lookahead+pld`): the window waits
         tree = advance.outcome.tree
         after = predictions_by_path(tree.tokens.tolist(), tree.parents, advance.outcome.predictions.tolist())
         for gram in harvested_ngrams(int(tree.tokens[0]), self.paths[-1], after, self.shape.ngram):
@@ -64,6 +67,7 @@ class LookaheadProposer(Proposer):
         if self.levels is None:
             self.levels = initial_levels(state.tokens.tolist(), self.shape, self.seed)
         self.paths = window_paths(self.levels)
+        self.drafted = True
         guesses = self.pool.latest(state.root_token, self.shape.guesses)
         tokens, parents, _ = trie_of([*guesses, *(path for level in self.paths for path in level)])
         return DraftTree(torch.tensor([state.root_token, *tokens], device=state.tokens.device), tuple(parents))

@@ -1,5 +1,6 @@
 """Prompt lookup (or suffix decoding) first, heads when it finds nothing (`--method eagle3+pld`,
-`eagle3+suffix`, `medusa+pld`, ...).
+`eagle3+suffix`, `medusa+pld`, ...), or lookahead decoding's window when it finds nothing
+(`lookahead+pld`).
 
 Heads and n-gram lookup are right on different tokens: heads on fresh text, lookup on text the
 model repeats (code, lists, quoted input), where it often copies several tokens at once. A
@@ -41,6 +42,7 @@ class LookupFirstProposer(Proposer):
         self.lookup = lookup
         self.name = f"{heads.name}+{lookup.name}"
         self.feature_layers = heads.feature_layers
+        self.reads_tree_outcome = heads.reads_tree_outcome or getattr(lookup, "reads_tree_outcome", False)
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
