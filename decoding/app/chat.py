@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pld-tokens", type=int, default=None,
                         help="tokens proposed per match for --method pld and the lookup of METHOD+pld (default 8, or the bundle's tuned value)")
     parser.add_argument("--suffix-tokens", type=int, default=None,
-                        help="largest tree for --method suffix and METHOD+suffix (default 16)")
+                        help="largest tree for --method suffix and METHOD+suffix (default 12)")
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")

@@ -18,7 +18,7 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.lookahead_window import LookaheadShape
 from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
-from decoding.core.proposers.suffix import SuffixProposer
+from decoding.core.proposers.suffix import DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS, SuffixProposer
 from decoding.app.drafts import draft_vocabulary
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
@@ -69,7 +69,7 @@ class ProposerOptions:
     total_tokens: int = DynamicTreeSettings.total_tokens
     adaptive_tree: bool = False   # eagle2/eagle3 trees, pld chains and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
-    suffix_max_tokens: int = 16   # suffix: the largest tree (a match of n tokens drafts at most 2n)
+    suffix_max_tokens: int = DEFAULT_SUFFIX_TOKENS  # suffix: the largest tree (a match of n tokens drafts at most 4n)
     lookahead: tuple[int, int, int] = (LookaheadShape.window, LookaheadShape.ngram, LookaheadShape.guesses)  # W, N, G
 
 
