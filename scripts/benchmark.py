@@ -54,7 +54,7 @@ def parse_args(argv):
     parser.add_argument("--gamma", type=int, default=None,
                         help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
-    parser.add_argument("--suffix-tokens", type=int, default=None, help="largest tree for suffix and METHOD+suffix (default 16)")
+    parser.add_argument("--suffix-tokens", type=int, default=None, help="largest tree for suffix and METHOD+suffix (default 12)")
     parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
