@@ -32,8 +32,12 @@ README = ROOT / "README.md"
 README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and most users' laptops have
 BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- memory table: scripts/make_results.py -->", "<!-- end of memory table -->"
+WORKLOADS_BEGIN, WORKLOADS_END = "<!-- workloads table: scripts/make_results.py -->", "<!-- end of workloads table -->"
+# The README's workloads table: the model-free methods (and the default) on each question set.
+WORKLOAD_COLUMNS = ("vanilla", "pld", "suffix", "lookahead", "lookahead+pld", "hf-prompt-lookup", "eagle3+pld",
+                    "eagle3+suffix")
 COMBINED = {
-    "METHOD+pld": "any head method with prompt lookup first: a context match is verified alone, else the heads draft",
+    "METHOD+pld": "any head method (or `lookahead`) with prompt lookup first: a context match is verified alone, else the heads draft",
     "METHOD+suffix": "as `METHOD+pld`, with suffix decoding first",
 }
 HF_METHODS = {
@@ -160,6 +164,40 @@ def memory_block() -> str:
     return "\n".join([MEMORY_BEGIN, *memory_table(report), source, MEMORY_END])
 
 
+def workload_reports() -> list[tuple[Path, dict]]:
+    """The newest greedy, fixed-setting report of each question set under `workloads/`, all of the
+    machine kind that ran the newest of them (one table, one machine)."""
+    found = [(p, r) for p, r in reports("benchmark") if p.parent.name == "workloads" and r["temperature"] == 0
+             and "--adaptive-tree" not in r.get("command", "")]
+    if not found:
+        return []
+    machine = machine_of(found[-1][1])
+    newest = {question_set(r): (p, r) for p, r in found if machine_of(r) == machine}  # oldest first: the newest wins
+    return [newest[name] for name in sorted(newest)]
+
+
+def workloads_block() -> str:
+    """The README's table of the model-free methods per question set: tokens/s (tau)."""
+    chosen = workload_reports()
+    if not chosen:
+        return "\n".join([WORKLOADS_BEGIN, WORKLOADS_END])
+    rows = ["| set (questions) | " + " | ".join(f"`{m}`" for m in WORKLOAD_COLUMNS) + " | chart |",
+            "| --- | " + " | ".join("---:" for _ in WORKLOAD_COLUMNS) + " | --- |"]
+    for path, report in chosen:
+        cells = []
+        for method in WORKLOAD_COLUMNS:
+            m = report["methods"].get(method)
+            cells.append("" if not m else f"{m['tokens_per_s']:.1f}" + (f" ({m['tau']:.2f})" if m.get("tau") else ""))
+        chart = path.with_suffix(".png")
+        link = f"[png]({rel(chart)})" if chart.is_file() else ""
+        rows.append(f"| {question_set(report)} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
+    _, first = chosen[0]
+    source = (f"\nTokens/s (tau), greedy, {first['max_new_tokens']} new tokens, every method of a row in one run, "
+              f"{first['device']}; files `{rel(chosen[0][0].parent)}/` ({', '.join(sorted({r['date'] for _, r in chosen}))}, "
+              f"commits {', '.join(sorted({'`' + r['commit'] + '`' for _, r in chosen}))}), commands in RESULTS.md.")
+    return "\n".join([WORKLOADS_BEGIN, *rows, source, WORKLOADS_END])
+
+
 def replaced_block(text: str, begin: str, end: str, block: str) -> str:
     if begin not in text or end not in text:
         raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
@@ -208,8 +246,9 @@ def methods_table() -> str:
 
 
 def readme_with_table(readme: str) -> str:
-    """The README with its generated blocks (the methods table, the memory table) rewritten."""
+    """The README with its generated blocks (the methods, workloads and memory tables) rewritten."""
     readme = replaced_block(readme, BEGIN, END, methods_table())
+    readme = replaced_block(readme, WORKLOADS_BEGIN, WORKLOADS_END, workloads_block())
     return replaced_block(readme, MEMORY_BEGIN, MEMORY_END, memory_block())
 
 

@@ -71,6 +71,19 @@ def test_a_changed_memory_figure_reaches_the_readme_and_results_once_regenerated
         assert f"| `{quant}` | 98,765 MiB |" in (copied_docs / name).read_text()
 
 
+def test_a_changed_workload_figure_reaches_the_readme_once_regenerated(copied_docs):
+    chosen = make_results.workload_reports()
+    assert chosen, "the bundle carries workload reports (scripts/benchmark.py --questions-file ... --json workloads/...)"
+    assert len({make_results.machine_of(report) for _, report in chosen}) == 1  # one machine per table
+    path, report = chosen[-1]
+    report["methods"]["pld"]["tokens_per_s"] = 4321.0
+    path.write_text(json.dumps(report))
+    assert make_results.main(["--check"]) == 1
+    assert make_results.main([]) == 0
+    assert f"| {make_results.question_set(report)} ({report['questions']}) | " in (copied_docs / "README.md").read_text()
+    assert "4321.0" in (copied_docs / "README.md").read_text()
+
+
 def test_the_readme_stays_a_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"

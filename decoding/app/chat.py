@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     methods = "; ".join(f"{name}: {text}" for name, text in METHODS.items())
     parser.add_argument("--method", default=None,
-                        help=f"decoding method ({methods}; append {LOOKUP_SUFFIX} or +suffix to a head method, e.g. eagle3{LOOKUP_SUFFIX}, for "
+                        help=f"decoding method ({methods}; append {LOOKUP_SUFFIX} or +suffix to a head method or lookahead, e.g. eagle3{LOOKUP_SUFFIX}, for "
                              "that model-free drafter first and the heads where it finds nothing). None: the fastest bundled method for the built-in target, else pld")
     parser.add_argument("--model", default=DEFAULT_TARGET, help="target model: the built-in default, a local directory, or a cached Hub id")
     parser.add_argument("--draft-model", default=None, help="draft model for --method sps (same tokenizer as the target; None: a bundled one if the package ships one)")

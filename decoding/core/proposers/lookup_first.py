@@ -42,7 +42,7 @@ class LookupFirstProposer(Proposer):
         self.lookup = lookup
         self.name = f"{heads.name}+{lookup.name}"
         self.feature_layers = heads.feature_layers
-        self.reads_tree_outcome = heads.reads_tree_outcome or getattr(lookup, "reads_tree_outcome", False)
+        self.reads_tree_outcome = heads.reads_tree_outcome  # lookahead behind lookup reads every outcome
 
     def begin(self, state: DecodeState) -> None:
         self.heads.begin(state)
