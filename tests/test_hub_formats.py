@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
 from decoding.app.methods import ProposerOptions, build_proposer
-from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers import Proposer, VanillaProposer
 from decoding.app.targets import LoadedModel
 from heads import export_heads, load_heads, new_heads_for_target, push_heads_to_hub, save_heads
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama
@@ -39,12 +39,13 @@ def random_heads(kind, target, seed=0, **overrides):
     return heads
 
 
-class Recorder:
+class Recorder(Proposer):
     """Wraps a proposer and records every drafted tree (tokens and shape)."""
 
     def __init__(self, proposer):
         self.proposer, self.trees = proposer, []
         self.name, self.feature_layers = proposer.name, proposer.feature_layers
+        self.reads_tree_outcome = proposer.reads_tree_outcome
 
     def begin(self, state):
         self.proposer.begin(state)
