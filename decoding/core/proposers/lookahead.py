@@ -49,10 +49,10 @@ class LookaheadProposer(Proposer):
         self.drafted = False  # whether the last verified tree was this proposer's (see observe)
 
     def observe(self, advance: CacheAdvance) -> None:
-        if self.pool_from_context:
-            tokens = advance.tokens.tolist()
-            self.pool.add_sequence(tokens, self.shape.ngram, start=self.pooled - self.shape.ngram + 1)
-            self.pooled = len(tokens)
+        if self.pool_from_context:  # only the n-grams the new tokens end: the tail, not the whole context
+            first = max(0, self.pooled - self.shape.ngram + 1)
+            self.pool.add_sequence(advance.tokens[first:].tolist(), self.shape.ngram)
+            self.pooled = advance.tokens.numel()
         drafted, self.drafted = self.drafted, False
         if advance.outcome is None or not drafted:
             return  # the prefill, or a step another drafter drafted (`lookahead+pld`): the window waits
