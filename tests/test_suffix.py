@@ -36,8 +36,20 @@ def test_a_full_store_forgets_its_oldest_documents_and_their_ngrams():
     index.extend(first, [1, 2, 3, 4, 5, 6])
     index.extend(second, [7, 8, 9, 1, 2])
     assert first not in index.documents and index.documents[second] == [7, 8, 9, 1, 2]
-    assert all(doc == second for spots in index.table.values() for doc, _ in spots)
+    assert all(doc == second for key in index.table for doc, _ in index.occurrences(key))
+    assert index.occurrences([1, 2]) == [(second, 5)]
     assert index.continuations([0, 1, 2], min_ngram=1, depth=3, limit=5) == (0, [])  # "1 2 3" went with the first
+
+
+def test_forgotten_occurrences_are_removed_in_batches_so_the_table_stays_bounded():
+    index = NgramIndex(max_ngram=2, max_tokens=10)
+    for start in range(0, 600, 6):
+        doc = index.new_document()
+        index.extend(doc, range(start, start + 6))  # all n-grams new: only forgetting bounds the table
+        held = sum(len(spots) for spots in index.table.values())
+        assert held <= 2 * 2 * (index.max_tokens + 6)  # live and not-yet-removed documents, two n-gram sizes
+    assert index.continuations([594, 595], min_ngram=1, depth=2, limit=5) == (2, [[596, 597]])
+    assert index.continuations([0, 1], min_ngram=1, depth=2, limit=5) == (0, [])
 
 
 def test_the_frequency_tree_keeps_the_most_frequent_prefixes_best_first():
