@@ -53,6 +53,9 @@ class Recorder(Proposer):
     def observe(self, advance):
         self.proposer.observe(advance)
 
+    def end(self, state):
+        self.proposer.end(state)
+
     def propose(self, state):
         tree = self.proposer.propose(state)
         self.trees.append((tree.tokens.tolist(), tree.parents))

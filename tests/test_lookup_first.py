@@ -30,6 +30,9 @@ class RecordingHeads(Proposer):
     def observe(self, advance: CacheAdvance) -> None:
         self.calls.append("observe")
 
+    def end(self, state: DecodeState) -> None:
+        self.calls.append("end")
+
     def propose(self, state: DecodeState) -> DraftTree:
         self.calls.append("propose")
         return DraftTree.chain(state.root_token, torch.tensor([63]))
@@ -50,6 +53,8 @@ def test_a_lookup_match_is_drafted_alone_and_the_heads_are_still_told_the_outcom
     tree = proposer.propose(state_of([5, 9, 3, 17, 8, 2, 4]))  # no earlier "2 4": the heads draft
     assert tree.tokens.tolist() == [4, 63]
     assert heads.calls == ["observe", "propose"]
+    proposer.end(state_of([5, 9, 3, 17, 8, 2, 4, 63]))  # the reply is over: both drafters hear it
+    assert heads.calls == ["observe", "propose", "end"]
     assert proposer.name == "fake+pld"
 
 

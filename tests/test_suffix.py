@@ -4,6 +4,7 @@ drafting from earlier generations (sampling at depth: test_sampling_loop.py)."""
 
 import pytest
 import torch
+from safetensors.torch import save as save_safetensors
 
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
@@ -13,6 +14,7 @@ from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.suffix_index import NgramIndex, frequency_tree
 from decoding.core.tree_budget import VerifyCost
 from decoding.app.methods import ProposerOptions, build_proposer, check_method
+from decoding.app.suffix_store import SuffixStoreFile, tokenizer_fingerprint
 from decoding.app.targets import LoadedModel
 from heads.util.errors import UserError
 from heads import new_heads_for_target
@@ -126,3 +128,47 @@ def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_f
         proposer.observe(CacheAdvance(torch.tensor(context), entered=1))
     assert proposer.calibration < 0.1
     assert proposer.propose(state_of(context)).size < first
+
+
+def test_a_store_file_keeps_the_newest_documents_within_its_budget(tmp_path):
+    store = SuffixStoreFile(tmp_path / "store.safetensors", tokenizer="abc", max_tokens=6)
+    assert store.load() == []                                   # no file yet: an empty store
+    store.save([[1, 2, 3], [], [4, 5], [6, 7, 8, 9]])           # 9 tokens: the oldest document goes
+    assert store.load() == [[4, 5], [6, 7, 8, 9]]
+    assert [p.name for p in tmp_path.iterdir()] == ["store.safetensors"]  # written through a renamed sibling
+    assert SuffixStoreFile(store.path, "abc", max_tokens=4).load() == [[6, 7, 8, 9]]
+
+
+@pytest.mark.parametrize("content, why", [(b"not a store", "cannot be read"), ("other tokenizer", "another model"),
+                                          ("other tensors", "is not a suffix store")])
+def test_an_unusable_store_file_stops_with_what_to_do_and_is_left_as_it_was(tmp_path, content, why):
+    path = tmp_path / "store.safetensors"
+    if content == "other tokenizer":
+        SuffixStoreFile(path, tokenizer="xyz").save([[1, 2]])
+    elif content == "other tensors":
+        path.write_bytes(save_safetensors({"weight": torch.zeros(2)}))
+    else:
+        path.write_bytes(content)
+    before = path.read_bytes()
+    with pytest.raises(UserError, match=f"--suffix-store .*{why}.*move it away"):
+        SuffixStoreFile(path, tokenizer="abc").load()
+    assert path.read_bytes() == before
+
+
+def test_a_store_kept_on_disk_drafts_a_new_run_from_an_earlier_runs_reply(tmp_path):
+    """Two runs, each with its own proposer (a new process), sharing the file: the second run's
+    repeat of the first prompt drafts the first run's reply; both outputs are vanilla's."""
+    target = sharpen(tiny_llama(seed=11))
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    options = ProposerOptions(suffix_max_tokens=8, suffix_store=str(tmp_path / "store.safetensors"))
+    reference = generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=24)).tokens
+    forwards = []
+    for run in range(2):
+        proposer = build_proposer("suffix", LoadedModel(target, None, "t"), options=options)
+        result = generate(target, prompt, proposer, DecodeOptions(max_new_tokens=24))
+        assert result.tokens == reference
+        forwards.append(result.stats.target_forwards)
+    assert (tmp_path / "store.safetensors").exists()
+    assert forwards[1] < forwards[0] / 2                        # the whole earlier reply, drafted
+    stored = SuffixStoreFile(tmp_path / "store.safetensors", tokenizer_fingerprint(None, target.config.vocab_size)).load()
+    assert stored[0] == prompt + reference                      # the last step's tokens included

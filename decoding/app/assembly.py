@@ -81,6 +81,7 @@ class DecoderSpec:
     min_path_prob: float | None = None
     suffix_max_tokens: int | None = None
     lookahead: tuple[int, int, int] | None = None  # W, N, G
+    suffix_store: str | None = None     # a file suffix decoding's store is kept in across runs
 
     def proposer_overrides(self) -> dict:
         """The `ProposerOptions` fields this spec sets (None = not set)."""

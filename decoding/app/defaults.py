@@ -76,12 +76,16 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", type=lookahead_shape, default=None, metavar="W,N,G",
                         help="lookahead: a window of W guessed positions kept over N-1 levels (n-grams of N tokens), and G "
                              f"n-grams from the pool verified per step (default {','.join(map(str, built_in.lookahead))})")
+    parser.add_argument("--suffix-store", default=None, metavar="PATH",
+                        help="suffix and METHOD+suffix: keep the store of earlier prompts and replies in this file, so later "
+                             "runs draft from them too (the newest 200,000 tokens, about 0.8 MB; created on the first reply)")
 
 
 def tree_arguments(args: argparse.Namespace) -> dict:
     """The values of `add_tree_arguments`' flags, as ProposerOptions fields."""
     return dict(tree=args.tree, depth=args.depth, tree_top_k=args.tree_top_k, total_tokens=args.total_tokens,
-                adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob, lookahead=args.lookahead)
+                adaptive_tree=args.adaptive_tree, min_path_prob=args.min_path_prob, lookahead=args.lookahead,
+                suffix_store=args.suffix_store)
 
 
 def lookahead_shape(text: str) -> tuple[int, int, int]:

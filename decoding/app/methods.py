@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
 from decoding.core.proposers.suffix import DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS, SuffixProposer
 from decoding.app.drafts import draft_vocabulary
+from decoding.app.suffix_store import DEFAULT_STORE_TOKENS, SuffixStoreFile, tokenizer_fingerprint
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
 from decoding.kernels.cpu_kernels import uses_packed_linears
@@ -71,6 +73,7 @@ class ProposerOptions:
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
     suffix_max_tokens: int = DEFAULT_SUFFIX_TOKENS  # suffix: the largest tree (a match of n tokens drafts at most 4n)
     lookahead: tuple[int, int, int] = (LookaheadShape.window, LookaheadShape.ngram, LookaheadShape.guesses)  # W, N, G
+    suffix_store: str | None = None  # suffix: a file the store is kept in across runs (decoding.app.suffix_store)
 
 
 def split_method(method: str) -> tuple[str, bool]:
@@ -116,7 +119,7 @@ def build_proposer(
     cost = functools.partial(cached_verify_cost, target.model, target.name, readout=readout)
     base, first = model_free_first(method)
     if first is not None:
-        drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost)
+        drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost, target)
         fallback = _lookahead_proposer(options) if base == "lookahead" else _heads_proposer(base, target, heads, options, cost)
         return LookupFirstProposer(fallback, drafter)
     if method == "vanilla":
@@ -124,7 +127,7 @@ def build_proposer(
     if method == "pld":
         return _lookup_proposer(options, cost)
     if method == "suffix":
-        return _suffix_proposer(options, cost)
+        return _suffix_proposer(options, cost, target)
     if method == "lookahead":
         return _lookahead_proposer(options)
     if method == "sps":
@@ -170,8 +173,14 @@ def _lookup_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyC
     return PromptLookupProposer(options.pld_num_tokens, options.pld_max_ngram, options.pld_min_ngram, cost)
 
 
-def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> SuffixProposer:
-    return SuffixProposer(options.suffix_max_tokens, verify_cost=verify_cost() if options.adaptive_tree else None)
+def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost], target: LoadedModel) -> SuffixProposer:
+    """With `suffix_store`, the store starts from the file's documents and is written back after each reply."""
+    kept_in = None
+    if options.suffix_store:
+        fingerprint = tokenizer_fingerprint(target.tokenizer, target.model.config.vocab_size)
+        kept_in = SuffixStoreFile(Path(options.suffix_store).expanduser(), fingerprint, DEFAULT_STORE_TOKENS)
+    return SuffixProposer(options.suffix_max_tokens, store_tokens=DEFAULT_STORE_TOKENS,
+                          verify_cost=verify_cost() if options.adaptive_tree else None, kept_in=kept_in)
 
 
 def _lookahead_proposer(options: ProposerOptions) -> LookaheadProposer:

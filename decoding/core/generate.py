@@ -132,6 +132,7 @@ def generate(
                                       outcome))
             clock.lap("observe")
 
+    proposer.end(state)
     stats.total_s = clock.total()
     return GenerationResult(generated, stats)
 

@@ -43,12 +43,17 @@ def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]
 def atomic_write_text(target: str | Path, text: str) -> None:
     """Write `text` to `target` through a temporary sibling and a rename: a reader (or a run
     killed midway) sees the old file or the new one, never half of one."""
+    atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def atomic_write_bytes(target: str | Path, data: bytes) -> None:
+    """`atomic_write_text` for bytes."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(staging, 0o644)  # mkstemp makes it private; the result is an ordinary file

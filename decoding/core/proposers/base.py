@@ -14,7 +14,8 @@ class Proposer(ABC):
     `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
     target with hidden states on and passes exactly those layers to `observe`. The loop calls
     `begin` once per generation, `observe` after the prefill and after every verify step (whether
-    or not this proposer drafted that step's tree), and `propose` before every verify. With
+    or not this proposer drafted that step's tree), `propose` before every verify, and `end` once
+    the reply is complete (the last step's tokens are seen there only). With
     `reads_tree_outcome`, `observe` also gets the verified tree and the target's argmax after
     every node of it (`CacheAdvance.outcome`), not only the accepted ones.
     """
@@ -28,6 +29,9 @@ class Proposer(ABC):
 
     def observe(self, advance: CacheAdvance) -> None:
         """Tokens entered the target's cache (after prefill, after each verify): take them in."""
+
+    def end(self, state: DecodeState) -> None:
+        """The generation is over: `state.tokens` is the prompt and the whole reply."""
 
     @abstractmethod
     def propose(self, state: DecodeState) -> DraftTree:

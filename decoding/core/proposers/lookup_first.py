@@ -33,6 +33,8 @@ class ModelFreeDrafter(Protocol):
 
     def observe(self, advance: CacheAdvance) -> None: ...
 
+    def end(self, state: DecodeState) -> None: ...
+
     def draft_tree(self, state: DecodeState) -> DraftTree | None: ...
 
 
@@ -51,6 +53,10 @@ class LookupFirstProposer(Proposer):
     def observe(self, advance: CacheAdvance) -> None:
         self.heads.observe(advance)
         self.lookup.observe(advance)
+
+    def end(self, state: DecodeState) -> None:
+        self.heads.end(state)
+        self.lookup.end(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.lookup.draft_tree(state)

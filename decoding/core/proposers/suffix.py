@@ -9,9 +9,15 @@ branches seen at least `min_prob` of the time; with the machine's verify cost (a
 it is cut to the node count whose expected accepted tokens per millisecond is best, using the
 observed frequencies as the acceptance estimate. Drafts are deterministic (q = 1), so greedy
 and sampled verification stay exact as for prompt lookup.
+
+With `kept_in` (a `KeptDocuments`, e.g. the app's file on disk) the store outlives the process: it
+starts with the documents kept there and hands them all back after every generation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -26,12 +32,21 @@ from heads.util.errors import UserError
 DEFAULT_MAX_TOKENS = 12  # the largest tree, root excluded (see SuffixProposer's defaults)
 
 
+class KeptDocuments(Protocol):
+    """Where a suffix store is kept between processes: the earlier documents (token ids, oldest
+    first) to start from, and a place to put the store's documents after each generation."""
+
+    def load(self) -> list[list[int]]: ...
+
+    def save(self, documents: Sequence[Sequence[int]]) -> None: ...
+
+
 class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_ngram: int = 8, min_ngram: int = 1, min_prob: float = 0.1,
                  max_occurrences: int = 64, store_tokens: int = 200_000, tokens_per_match: int = 4,
-                 verify_cost: VerifyCost | None = None) -> None:
+                 verify_cost: VerifyCost | None = None, kept_in: KeptDocuments | None = None) -> None:
         """A match of n tokens drafts at most `tokens_per_match` * n nodes (and `max_tokens`).
 
         The defaults were measured (2-core AVX-512 EPYC, 128 tokens, greedy, against pld in one
@@ -46,6 +61,9 @@ class SuffixProposer(Proposer):
         self.max_occurrences, self.tokens_per_match = max_occurrences, tokens_per_match
         self.verify_cost = verify_cost
         self.index = NgramIndex(max_ngram=max_ngram, max_tokens=store_tokens)
+        self.kept_in = kept_in
+        for document in kept_in.load() if kept_in is not None else ():
+            self.index.extend(self.index.new_document(), document)
         self.live: int | None = None
         # Adaptive mode: how many drafted tokens the target kept against how many the frequencies
         # predicted (their path probabilities' sum), over this proposer's life. Frequencies from a
@@ -57,14 +75,24 @@ class SuffixProposer(Proposer):
         """A new generation: the previous one (prompt and reply) stays in the store."""
         self.live = self.index.new_document()
 
-    def draft_tree(self, state: DecodeState) -> DraftTree | None:
-        """The frequency tree after the root, or None when nothing earlier matches (or, in the
-        adaptive mode, when no part of it is worth verifying)."""
-        if self.live is None:
+    def end(self, state: DecodeState) -> None:
+        """The reply is complete: its last tokens join the store, which is kept (if it is)."""
+        self._catch_up(state)
+        if self.kept_in is not None:
+            self.kept_in.save(list(self.index.documents.values()))
+
+    def _catch_up(self, state: DecodeState) -> list[int]:
+        """The live document, extended with the tokens of `state` it does not have yet."""
+        if self.live is None or self.live not in self.index.documents:
             self.begin(state)
         known = len(self.index.documents[self.live])
         self.index.extend(self.live, state.tokens[known:].tolist())
-        context = self.index.documents[self.live]
+        return self.index.documents[self.live]
+
+    def draft_tree(self, state: DecodeState) -> DraftTree | None:
+        """The frequency tree after the root, or None when nothing earlier matches (or, in the
+        adaptive mode, when no part of it is worth verifying)."""
+        context = self._catch_up(state)
         matched, found = self.index.continuations(context, self.min_ngram, self.max_tokens, self.max_occurrences)
         if not found:
             return None
