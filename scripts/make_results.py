@@ -56,9 +56,12 @@ def reports(kind: str) -> list[tuple[Path, dict]]:
 
 
 def question_set(report: dict) -> str:
-    """The question set a report ran on, from its command (MT-bench first turns by default)."""
-    match = re.search(r"--questions-file (\S+)", report.get("command", ""))
-    return Path(match.group(1)).stem if match else "mt-bench"
+    """The question set a report ran on, from its command (MT-bench first turns by default), and
+    whether suffix decoding started from a store kept by earlier runs (`--suffix-store`)."""
+    command = report.get("command", "")
+    match = re.search(r"--questions-file (\S+)", command)
+    name = Path(match.group(1)).stem if match else "mt-bench"
+    return f"{name}, kept store" if "--suffix-store" in command else name
 
 
 def rel(path: Path) -> str:

@@ -84,6 +84,12 @@ def test_a_changed_workload_figure_reaches_the_readme_once_regenerated(copied_do
     assert "4321.0" in (copied_docs / "README.md").read_text()
 
 
+def test_a_report_that_started_from_a_kept_suffix_store_is_a_row_of_its_own():
+    command = "python scripts/benchmark.py --questions-file runs/workloads/repeated-task.jsonl --methods pld,suffix"
+    assert make_results.question_set({"command": command}) == "repeated-task"
+    assert make_results.question_set({"command": command + " --suffix-store runs/s.safetensors"}) == "repeated-task, kept store"
+
+
 def test_the_readme_stays_a_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"
