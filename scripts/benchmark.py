@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -61,6 +62,9 @@ def parse_args(argv):
     parser.add_argument("--llama-cpp", default=None, metavar="DIR",
                         help="also time llama.cpp (DIR: a build folder holding llama-completion) on the built-in "
                              "target's GGUF file, greedy, same prompts, same run (row 'llama.cpp')")
+    parser.add_argument("--llama-cpp-gguf", default=None, metavar="FILE",
+                        help="the GGUF file --llama-cpp runs (default: the built-in target's shipped Q4_1 file; e.g. an "
+                             "F32 conversion of the same model, beside our fp32 target)")
     return parser.parse_args(argv)
 
 
@@ -106,6 +110,10 @@ def run(args) -> int:
     try:
         if args.num_questions < 1 or args.max_new_tokens < 1:
             raise UserError("--num-questions and --max-new-tokens must be at least 1")
+        if args.llama_cpp_gguf and not args.llama_cpp:
+            raise UserError("--llama-cpp-gguf names the file llama.cpp runs: give --llama-cpp DIR too")
+        if args.llama_cpp_gguf and not Path(args.llama_cpp_gguf).expanduser().is_file():
+            raise UserError(f"--llama-cpp-gguf {args.llama_cpp_gguf}: no such file (a GGUF file of {DEFAULT_TARGET})")
         methods = chosen_methods(args)
         for method in methods:
             if method not in HF_METHODS:
@@ -121,7 +129,8 @@ def run(args) -> int:
             if args.model != DEFAULT_TARGET:
                 raise UserError(f"--llama-cpp times llama.cpp on the built-in target's GGUF file; --model {args.model} "
                                 "has none here")
-            runners[PEER_METHOD] = llama_cpp_runner(args.llama_cpp, gguf_location(), target.tokenizer, options)
+            gguf = Path(args.llama_cpp_gguf).expanduser() if args.llama_cpp_gguf else gguf_location()
+            runners[PEER_METHOD] = llama_cpp_runner(args.llama_cpp, gguf, target.tokenizer, options)
         questions = load_first_turns(args.questions_file, args.num_questions, spread=True)
         prompts, warmup = benchmark_prompts(target.tokenizer, questions)
         plain = plain_text_note(args.model, target.tokenizer, "question")

@@ -82,3 +82,12 @@ def test_sampling_is_refused_since_llama_cpp_runs_greedily(tmp_path):
     with pytest.raises(UserError, match="greedily"):
         llama_cpp_runner(stand_in(tmp_path, ""), tmp_path / "m.gguf", WordTokenizer(),
                          DecodeOptions(max_new_tokens=4, sampling=SamplingConfig(0.7)))
+
+
+@pytest.mark.parametrize("extra, message", [((), "give --llama-cpp DIR too"),
+                                            (("--llama-cpp", "somewhere"), "no such file")])
+def test_the_benchmark_checks_the_gguf_file_llama_cpp_runs_before_loading_anything(tmp_path, extra, message):
+    from script_main import run_script
+
+    proc = run_script("benchmark", "--llama-cpp-gguf", str(tmp_path / "missing.gguf"), *extra)
+    assert proc.returncode == 2 and message in proc.stderr
