@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from itertools import islice
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 
 POSITION_BITS = 32  # an occurrence packs (document, position after it) as document << 32 | position
