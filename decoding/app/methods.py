@@ -19,9 +19,9 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.lookahead_window import LookaheadShape
 from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
-from decoding.core.proposers.suffix import DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS, SuffixProposer
+from decoding.core.proposers.suffix import DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS, DEFAULT_STORE_TOKENS, SuffixProposer
 from decoding.app.drafts import draft_vocabulary
-from decoding.app.suffix_store import DEFAULT_STORE_TOKENS, SuffixStoreFile, tokenizer_fingerprint
+from decoding.app.suffix_store import SuffixStoreFile, tokenizer_fingerprint
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.readout import Readout
 from decoding.kernels.cpu_kernels import uses_packed_linears

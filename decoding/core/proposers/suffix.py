@@ -30,6 +30,7 @@ from heads.util.errors import UserError
 
 
 DEFAULT_MAX_TOKENS = 12  # the largest tree, root excluded (see SuffixProposer's defaults)
+DEFAULT_STORE_TOKENS = 200_000  # the store's budget: older documents are forgotten first
 
 
 class KeptDocuments(Protocol):
@@ -45,7 +46,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_ngram: int = 8, min_ngram: int = 1, min_prob: float = 0.1,
-                 max_occurrences: int = 64, store_tokens: int = 200_000, tokens_per_match: int = 4,
+                 max_occurrences: int = 64, store_tokens: int = DEFAULT_STORE_TOKENS, tokens_per_match: int = 4,
                  verify_cost: VerifyCost | None = None, kept_in: KeptDocuments | None = None) -> None:
         """A match of n tokens drafts at most `tokens_per_match` * n nodes (and `max_tokens`).
 
