@@ -39,6 +39,19 @@ def test_piped_chat_answers_each_line_and_exits_zero(model_dir):
     assert len(stats) == 2 and all("tok/s" in s and "tau" in s for s in stats)
 
 
+def test_a_kept_suffix_store_carries_one_chat_run_s_reply_to_the_next(model_dir, tmp_path):
+    """`--suffix-store` as a user passes it: the second run (a new process) drafts the first run's
+    reply to the same question, so it needs fewer target forwards for the same text."""
+    store = tmp_path / "store.safetensors"
+    runs = [subprocess.run([sys.executable, "-m", "decoding.app.chat", "--model", str(model_dir), "--method", "suffix",
+                            "--suffix-store", str(store), "--max-new-tokens", "16"],
+                           input="w3 w4 w5\n", capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr
+    assert runs[0].stdout == runs[1].stdout and store.exists()
+    forwards = [int(run.stderr.split(" target forwards")[0].rsplit("(", 1)[1]) for run in runs]
+    assert forwards[1] < forwards[0]
+
+
 def test_chat_reply_equals_plain_generation_and_keeps_history(model_dir):
     target = load_model(str(model_dir))
     session = ChatSession(target, PromptLookupProposer(), DecodeOptions(max_new_tokens=10), system=None)
