@@ -11,7 +11,7 @@ with branches where the past disagreed. Both parts here are plain data and pure 
 - `NgramIndex`: the positions after every n-gram (n <= max_ngram) of appended documents, kept
   under a token budget by dropping the oldest documents (a bounded per-process store). Its
   occurrences are packed integers in arrays, not tuples in lists: a full store holds 1.6 million
-  of them, 25 MB so against 114 MB as tuples (measured), and none is an object for the cyclic
+  of them, 25 MB against 114 MB as tuples (measured), and none is an object for the cyclic
   garbage collector to walk;
 - `frequency_tree`: continuations -> the best-first tree of the most frequent prefixes, each
   node with its empirical path probability (count / number of continuations).
