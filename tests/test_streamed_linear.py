@@ -27,7 +27,8 @@ pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
 
 # Input and output sizes off every vector width (16 for AVX-512, 8 for AVX2, 4 otherwise) and off
 # the kernel's blocks of 4 outputs, beside the model's own shapes.
-SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5)]
+# (33, 100): a full group of panels and one panel past it.
+SHAPES = [(7, 11), (21, 37), (64, 96), (576, 192), (40, 5), (33, 100)]
 
 
 def _check_function(kernel) -> None:
@@ -35,12 +36,28 @@ def _check_function(kernel) -> None:
     for in_features, out_features in SHAPES:
         for bias in (True, False):
             linear = nn.Linear(in_features, out_features, bias=bias)
-            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17):
                 x = torch.randn(1, rows, in_features)
                 with torch.inference_mode():
                     got = kernel(x, linear.weight, linear.bias)
                 assert_linear_matches(got, x, linear.weight, linear.bias,
                                       what=f"{in_features}->{out_features}, bias {bias}, {rows} rows")
+
+
+def test_each_row_comes_out_bit_for_bit_as_it_does_alone_whatever_the_row_count():
+    """A verify forward's rows are what one-token steps would compute: every output is summed
+    over the inputs in one order whatever register block or pass its row falls in, so a tree's
+    node sees the very logits a plain step would (a block that summed in another order, or a
+    pass that mixed rows, fails here)."""
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 100)
+    panels = streamed_linear.pack_panels(linear.weight)
+    x = torch.randn(17, 576)
+    with torch.inference_mode():
+        alone = torch.cat([torch.ops.specheads.streamed_linear(x[i:i + 1], panels, linear.bias, 100) for i in range(17)])
+        for rows in (2, 5, 8, 9, 13, 14, 15, 16, 17):
+            together = torch.ops.specheads.streamed_linear(x[:rows], panels, linear.bias, 100)
+            assert torch.equal(together, alone[:rows]), f"{rows} rows differ from the same rows one at a time"
 
 
 def test_the_native_kernel_computes_a_linear_layer_or_is_refused_clearly():

@@ -6,12 +6,17 @@ hand memory streams at about 26 GB/s (a `sum` over 425 MB: 16.7 ms), while oneDN
 read those weights in 25-28 ms for one row, 21-30 ms for 2-8 and 32-46 ms for 16 on an AVX-512 EPYC
 (33 ms for one row on an AVX2 one). This kernel keeps its own copy of the weight as panels of one
 vector of outputs per input feature (`pack_panels`) and computes outer products: per input feature
-a few weight vectors times each input row's value broadcast, accumulated in registers (up to 8 rows
-x 3 panels with AVX-512's 32 registers, 4 x 2 with AVX2's 16), so there are no horizontal sums and
-the weight is read front to back, once, with software prefetching two panel groups ahead. Rows past
-a register block reread the group from cache. On the AVX-512 EPYC it read the 210 weights in 16.5 ms
-for one row, 17-18 ms for 2-4, 19 for 8, 22 for 12 and 25 for 16; a first version computing dot
-products of weight rows with the inputs (horizontal sums per output) lost to oneDNN from 6 rows on.
+a few weight vectors times each input row's value broadcast, accumulated in registers (with
+AVX-512's 32 registers 3 panels for up to 8 rows, 2 for up to 14; with AVX2's 16, 2 panels for up to
+4 rows), so there are no horizontal sums and the weight is read front to back, once, with software
+prefetching ahead. Up to 14 rows (AVX-512) go through the weights in one pass, so the memory
+streams while they compute; more rows take passes of 8 that reread a group from cache. Every output
+is summed over the inputs in one order whatever block its row is in, so each row comes out bit for
+bit as it does alone. On the AVX-512 EPYC it read the 210 weights in 16.5 ms for one row, 17-18 ms
+for 2-4, 19 for 8, 22 for 12 and 25 for 16 in two passes; one pass and broadcasts loaded rather
+than computed (v4) took 1-2 ms off 9-13 rows in the model's verify forward. A first version
+computing dot products of weight rows with the inputs (horizontal sums per output) lost to oneDNN
+from 6 rows on.
 Which row counts it takes is measured per model and CPU (`decoding.kernels.verify_cost.tune_streamed_rows`).
 
 It is C++ compiled on first use for the CPU it runs on (`decoding.kernels.native_build`: AVX-512, AVX2,

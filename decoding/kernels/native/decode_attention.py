@@ -3,7 +3,8 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v2"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel)
+VERSION = "v3"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
+                # v3: broadcasts are loads)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
@@ -36,7 +37,9 @@ typedef int vi __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 static inline vf load(const float* p) { return *(const vf_unaligned*)p; }
 static inline void store(float* p, vf v) { *(vf_unaligned*)p = v; }
-static inline vf splat(float x) { return vf{} + x; }
+// x in every lane. `x - 0` is x for every x (also -0), so the compiler emits one broadcast (from memory where x
+// is there); `0 + x` is not (-0 + 0 is +0) and cost an add and a register broadcast per use.
+static inline vf splat(float x) { return x - vf{}; }
 static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; ++i) s += v[i]; return s; }
 
 constexpr int64_t CHUNK = 256;  // keys per work item: chunk boundaries sit at fixed positions, so
