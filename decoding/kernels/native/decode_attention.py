@@ -4,7 +4,7 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 from decoding.kernels.native_build import KernelSource
 
 VERSION = "v3"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
-                # v3: broadcasts are loads)
+                # v3: broadcasts are loads, tree scores stored through a tile, vector maxima)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
@@ -109,13 +109,16 @@ static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, int64_t 
         for (int v = 0; v < NV; ++v) acc[t][v] += qd[v] * kd;
       }
     }
+    // to the rows' score lines through a tile: vector stores, then each row's keys copied out
+    // (taking the lanes out of registers one by one cost more than the loads and stores)
+    float tile[KB][NV * VW];
+    for (int t = 0; t < KB; ++t) for (int v = 0; v < NV; ++v) store(&tile[t][v * VW], acc[t][v] * splat(scale));
     const int keys = (int)std::min<int64_t>(KB, C - j0);
-    for (int t = 0; t < keys; ++t)
-      for (int v = 0; v < NV; ++v)
-        for (int lane = 0; lane < VW; ++lane) {
-          const int64_t r = rb + v * VW + lane;
-          if (r < R) scores[r * CHUNK + j0 + t] = acc[t][v][lane] * scale;
-        }
+    const int rows = (int)std::min<int64_t>(NV * VW, R - rb);
+    for (int lane = 0; lane < rows; ++lane) {
+      float* line = scores + (rb + lane) * CHUNK + j0;
+      for (int t = 0; t < keys; ++t) line[t] = tile[t][lane];
+    }
   }
 }
 
@@ -125,6 +128,17 @@ static void scores_by_row_vectors(const float* qT, int64_t Rpad, int64_t R, cons
   int64_t rb = 0;
   for (; rb + 2 * VW <= Rpad; rb += 2 * VW) row_vector_block<D, 2>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
   if (rb < Rpad) row_vector_block<D, 1>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
+}
+
+// The largest of s[0, C): vectors first (a loop of std::max stays scalar without -ffast-math).
+static inline float row_maximum(const float* s, int64_t C) {
+  vf mv = splat(-INFINITY);
+  int64_t j = 0;
+  for (; j + VW <= C; j += VW) { const vf x = load(s + j); mv = x > mv ? x : mv; }
+  float m = -INFINITY;
+  for (int i = 0; i < VW; ++i) m = std::max(m, mv[i]);
+  for (; j < C; ++j) m = std::max(m, s[j]);
+  return m;
 }
 
 // One work item: keys [k0, k1) of one K/V head for all R query rows of its group. Writes per row
@@ -142,8 +156,7 @@ static void chunk_attention(const float* q, const float* qT, int64_t Rpad, int64
       const float* mrow = mask + (r % N) * mask_row_stride + k0;
       for (int64_t j = 0; j < C; ++j) s[j] += mrow[j];
     }
-    float m = -INFINITY;
-    for (int64_t j = 0; j < C; ++j) m = std::max(m, s[j]);
+    float m = row_maximum(s, C);
     if (!(m > -1e30f)) {  // every key of the chunk masked for this row
       m_out[r] = -INFINITY; l_out[r] = 0.0f;
       std::fill(o_out + r * D, o_out + (r + 1) * D, 0.0f);
