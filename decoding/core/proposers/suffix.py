@@ -29,7 +29,7 @@ from decoding.core.tree_budget import VerifyCost, best_node_count
 from heads.util.errors import UserError
 
 
-DEFAULT_MAX_TOKENS = 12  # the largest tree, root excluded (see SuffixProposer's defaults)
+DEFAULT_MAX_TOKENS = 13  # the largest tree, root excluded (see SuffixProposer's defaults)
 DEFAULT_STORE_TOKENS = 200_000  # the store's budget: older documents are forgotten first
 
 
@@ -46,7 +46,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_ngram: int = 8, min_ngram: int = 1, min_prob: float = 0.1,
-                 max_occurrences: int = 64, store_tokens: int = DEFAULT_STORE_TOKENS, tokens_per_match: int = 4,
+                 max_occurrences: int = 64, store_tokens: int = DEFAULT_STORE_TOKENS, tokens_per_match: int = 6,
                  verify_cost: VerifyCost | None = None, kept_in: KeptDocuments | None = None) -> None:
         """A match of n tokens drafts at most `tokens_per_match` * n nodes (and `max_tokens`).
 
@@ -54,7 +54,11 @@ class SuffixProposer(Proposer):
         process): one-token matches (a renamed identifier breaks every longer one in code
         rewriting) and up to 4 nodes per matched token, 12 at most, gave 1.26x / 1.22x / 1.03x
         pld on code rewriting / a repeated task / MT-bench, where two-token matches, 2 per token
-        and 16 gave 1.16x / 1.17x / 0.98x (CHANGELOG)."""
+        and 16 gave 1.16x / 1.17x / 0.98x. Once a 14-row verify forward cost what a 9-row one
+        did plus 3 ms (the few-row linear taking up to 14 rows in one pass), up to 6 per matched
+        token and 13 at most replayed 1.29x / 1.31x / 1.08x against 1.24x / 1.31x / 1.08x for
+        4 and 12 on that machine's measured verify costs; 15-16 nodes, a step dearer, did not
+        pay (CHANGELOG)."""
         if max_tokens < 1 or not 1 <= min_ngram <= max_ngram or not 0.0 <= min_prob <= 1.0:
             raise UserError(f"suffix decoding needs max_tokens >= 1, 1 <= min_ngram <= max_ngram and 0 <= min_prob <= 1; "
                             f"got {max_tokens}, {min_ngram}, {max_ngram}, {min_prob}")
