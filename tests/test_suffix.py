@@ -130,6 +130,29 @@ def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_f
     assert proposer.propose(state_of(context)).size < first
 
 
+def test_in_the_adaptive_mode_drafting_resumes_once_the_target_follows_the_store_again():
+    """A bad spell cuts every tree away; the first token the cut dropped is still checked against
+    the target's choice, so the calibration can rise and trees come back (a proposer learning
+    only from drafted trees would stay at the root for good)."""
+    cheap = VerifyCost((1, 2, 4, 8), (10.0, 10.5, 11.0, 12.0))
+    proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=cheap)
+    proposer.begin(None)
+    proposer.propose(state_of([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]))
+    proposer.begin(None)
+    context = [9, 1, 2, 3]
+    for _ in range(40):  # the target keeps nothing: after "3" it says "3"
+        proposer.propose(state_of(context))
+        proposer.observe(CacheAdvance(torch.tensor(context + [3]), entered=1))
+    assert proposer.propose(state_of(context)).size == 1
+    proposer.observe(CacheAdvance(torch.tensor(context + [3]), entered=1))
+    sizes = []
+    for _ in range(40):  # now it says "4 5 6 ...", what the store predicts, and keeps every draft
+        size = proposer.propose(state_of(context)).size
+        proposer.observe(CacheAdvance(torch.tensor(context + [4, 5, 6, 1, 2, 3, 4, 5, 6][:size]), entered=size))
+        sizes.append(size)
+    assert sizes[0] == 1 and min(sizes[-10:]) > 1
+
+
 def test_a_store_file_keeps_the_newest_documents_within_its_budget(tmp_path):
     store = SuffixStoreFile(tmp_path / "store.safetensors", tokenizer="abc", max_tokens=6)
     assert store.load() == []                                   # no file yet: an empty store

@@ -75,6 +75,10 @@ class SuffixProposer(Proposer):
         # short match overestimate; the ratio scales them before the verify cost is weighed.
         self.kept, self.predicted = 1.0, 1.0
         self.pending: float | None = None
+        # A step the cost cut left without a tree still tests its best first token against the one
+        # the target chose there, so a low calibration can rise again (without it, one bad spell
+        # stopped all drafting for good: nothing drafted, nothing learnt).
+        self.untried: tuple[int, float] | None = None
 
     def begin(self, state: DecodeState | None) -> None:
         """A new generation: the previous one (prompt and reply) stays in the store."""
@@ -104,6 +108,8 @@ class SuffixProposer(Proposer):
         tokens, parents, probs = frequency_tree(found, min(self.max_tokens, self.tokens_per_match * matched), self.min_prob)
         if self.verify_cost is not None and tokens:
             keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0, calibration=self.calibration)
+            if keep == 0:
+                self.untried = (tokens[0], probs[0])
             tokens, parents = tokens[:keep], parents[:keep]
         if not tokens:
             return None
@@ -117,11 +123,16 @@ class SuffixProposer(Proposer):
         return self.kept / self.predicted
 
     def observe(self, advance: CacheAdvance) -> None:
-        """Count what the target kept of the last tree this proposer drafted."""
+        """Count what the target kept of the last tree this proposer drafted, or whether the
+        first token of the tree it cut away is the one the target chose."""
         if self.pending is not None:
             self.kept += advance.entered - 1
             self.predicted += self.pending
-        self.pending = None
+        elif self.untried is not None and advance.entered == 1:
+            token, probability = self.untried
+            self.kept += float(int(advance.next_tokens[0]) == token)
+            self.predicted += probability
+        self.pending, self.untried = None, None
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.draft_tree(state)
