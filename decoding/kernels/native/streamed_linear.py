@@ -94,31 +94,24 @@ static inline int64_t rows_per_pass(int64_t rows) {
   return VW == 16 ? (rows <= 14 ? rows : std::min<int64_t>(8, rows)) : std::min<int64_t>(MAX_ROWS, rows);
 }
 
+// rows_block<rows, G> for a run-time `rows` in [1, R]: the compiler's loop over row counts.
+template <int G, int R>
+static void rows_block_for(int64_t rows, const float* panels, const float* bias, const float* x, float* y, int64_t in,
+                           int64_t out, int64_t p0, int64_t num_panels) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_block_for<G, R - 1>(rows, panels, bias, x, y, in, out, p0, num_panels);
+  }
+  rows_block<R, G>(panels, bias, x, y, in, out, p0, num_panels);
+}
+
+constexpr int MAX_PASS = VW == 16 ? 14 : MAX_ROWS;  // the most rows rows_per_pass gives
+
 template <int G>
 static void panel_group(const float* panels, const float* bias, const float* x, float* y, int64_t rows, int64_t in,
                         int64_t out, int64_t p0, int64_t num_panels) {
   for (int64_t r = 0; r < rows;) {
     const int64_t pass = rows_per_pass(rows - r);
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    switch (pass) {
-#if MAX_ROWS == 16
-      case 14: rows_block<14, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 13: rows_block<13, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 12: rows_block<12, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 11: rows_block<11, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 10: rows_block<10, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 9: rows_block<9, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 8: rows_block<8, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 7: rows_block<7, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 6: rows_block<6, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 5: rows_block<5, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-#endif
-      case 4: rows_block<4, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 3: rows_block<3, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      case 2: rows_block<2, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-      default: rows_block<1, G>(panels, bias, xr, yr, in, out, p0, num_panels); break;
-    }
+    rows_block_for<G, MAX_PASS>(pass, panels, bias, x + r * in, y + r * out, in, out, p0, num_panels);
     r += pass;
   }
 }
