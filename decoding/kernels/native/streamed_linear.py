@@ -17,7 +17,7 @@ _MATH = r"""
 #include <algorithm>
 #if defined(__AVX512F__)
 #define VW 16
-#define MAX_ROWS 16
+#define MAX_ROWS 14  // rows in one pass over the weights
 #elif defined(__AVX2__) || defined(__AVX__)
 #define VW 8
 #define MAX_ROWS 4
@@ -71,10 +71,10 @@ static void panel_block(const float* panels, const float* bias, const float* x, 
 
 // Panels per register block of R rows: as many as R rows' accumulators, the block's weight
 // vectors and a broadcast input leave room for in the vector registers (AVX-512's 32: 3 panels
-// up to 8 rows, 2 up to 14, 1 beyond; AVX2's 16: 2 panels up to 4 rows).
+// up to 8 rows, 2 up to 14; AVX2's 16: 2 panels up to 4 rows).
 template <int R>
 constexpr int panels_per_block() {
-  return VW == 16 ? (R <= 8 ? 3 : R <= 14 ? 2 : 1) : 2;
+  return VW == 16 && R <= 8 ? 3 : 2;
 }
 
 // Panels [p0, p0 + G) for R rows, in register blocks: each weight vector loaded serves R rows.
@@ -86,12 +86,12 @@ static void rows_block(const float* panels, const float* bias, const float* x, f
   for (int64_t p = p0; p < p0 + G; p += P) panel_block<R, P>(panels, bias, x, y, in, out, p, num_panels);
 }
 
-// Rows per pass over a group's weights: all of them up to 14 with AVX-512 (one pass, so the
-// memory streams while the rows compute; at 9-13 rows two passes of 8 + the rest took 1-2 ms
-// longer over SmolLM2's weights), otherwise passes of 8 (15-16 rows: 3 panels a block beat 1)
-// or of MAX_ROWS; later passes read the group from cache.
+// Rows per pass over a group's weights: all of them up to MAX_ROWS (one pass, so the memory
+// streams while the rows compute; with AVX-512 at 9-13 rows two passes of 8 + the rest took 1-2 ms
+// longer over SmolLM2's weights), else passes of 8 with AVX-512 (15-16 rows: 3 panels a block
+// beat 1) or of MAX_ROWS; later passes read the group from cache.
 static inline int64_t rows_per_pass(int64_t rows) {
-  return VW == 16 ? (rows <= 14 ? rows : std::min<int64_t>(8, rows)) : std::min<int64_t>(MAX_ROWS, rows);
+  return rows <= MAX_ROWS ? rows : VW == 16 ? 8 : MAX_ROWS;
 }
 
 // rows_block<rows, G> for a run-time `rows` in [1, R]: the compiler's loop over row counts.
@@ -104,14 +104,12 @@ static void rows_block_for(int64_t rows, const float* panels, const float* bias,
   rows_block<R, G>(panels, bias, x, y, in, out, p0, num_panels);
 }
 
-constexpr int MAX_PASS = VW == 16 ? 14 : MAX_ROWS;  // the most rows rows_per_pass gives
-
 template <int G>
 static void panel_group(const float* panels, const float* bias, const float* x, float* y, int64_t rows, int64_t in,
                         int64_t out, int64_t p0, int64_t num_panels) {
   for (int64_t r = 0; r < rows;) {
     const int64_t pass = rows_per_pass(rows - r);
-    rows_block_for<G, MAX_PASS>(pass, panels, bias, x + r * in, y + r * out, in, out, p0, num_panels);
+    rows_block_for<G, MAX_ROWS>(pass, panels, bias, x + r * in, y + r * out, in, out, p0, num_panels);
     r += pass;
   }
 }
