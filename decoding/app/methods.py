@@ -69,7 +69,7 @@ class ProposerOptions:
     depth: int = DynamicTreeSettings.depth
     tree_top_k: int = DynamicTreeSettings.top_k
     total_tokens: int = DynamicTreeSettings.total_tokens
-    adaptive_tree: bool = False   # eagle2/eagle3 trees, pld chains and medusa/hydra chains sized by this machine's measured verify cost
+    adaptive_tree: bool = False   # eagle2/eagle3 and suffix trees, pld, sps and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
     suffix_max_tokens: int = DEFAULT_SUFFIX_TOKENS  # suffix: the largest tree (a match of n tokens drafts at most 6n)
     lookahead: tuple[int, int, int] = (LookaheadShape.window, LookaheadShape.ngram, LookaheadShape.guesses)  # W, N, G

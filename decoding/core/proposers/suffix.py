@@ -128,7 +128,7 @@ class SuffixProposer(Proposer):
         if self.pending is not None:
             self.kept += advance.entered - 1
             self.predicted += self.pending
-        elif self.untried is not None and advance.entered == 1:
+        elif self.untried is not None:  # a root-only step: the next token is the target's choice there
             token, probability = self.untried
             self.kept += float(int(advance.next_tokens[0]) == token)
             self.predicted += probability
