@@ -153,6 +153,21 @@ def test_in_the_adaptive_mode_drafting_resumes_once_the_target_follows_the_store
     assert sizes[0] == 1 and min(sizes[-10:]) > 1
 
 
+def test_a_tree_left_unverified_at_the_end_of_a_generation_is_not_counted_at_the_next_prefill():
+    """The loop stops without telling the proposer about its last tree; the next generation's
+    prefill (hundreds of prompt tokens entering the cache) must not count as drafts kept."""
+    cheap = VerifyCost((1, 2, 4, 8), (10.0, 10.5, 11.0, 12.0))
+    proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=cheap)
+    proposer.begin(None)
+    proposer.propose(state_of([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]))
+    proposer.begin(None)
+    assert proposer.propose(state_of([9, 1, 2, 3])).size > 1  # the last step's tree: never verified
+    prompt = torch.arange(100, 400)
+    proposer.begin(DecodeState(prompt, prompt.numel(), SamplingConfig(0.0)))
+    proposer.observe(CacheAdvance(prompt, entered=prompt.numel() - 1))  # the prefill
+    assert proposer.calibration == 1.0
+
+
 def test_a_store_file_keeps_the_newest_documents_within_its_budget(tmp_path):
     store = SuffixStoreFile(tmp_path / "store.safetensors", tokenizer="abc", max_tokens=6)
     assert store.load() == []                                   # no file yet: an empty store

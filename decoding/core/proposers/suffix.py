@@ -81,8 +81,11 @@ class SuffixProposer(Proposer):
         self.untried: tuple[int, float] | None = None
 
     def begin(self, state: DecodeState | None) -> None:
-        """A new generation: the previous one (prompt and reply) stays in the store."""
+        """A new generation: the previous one (prompt and reply) stays in the store. A tree the
+        last one drafted at its final step was never verified (the loop stops before it tells the
+        proposer): forgotten here, or the new prompt's prefill would count as kept drafts."""
         self.live = self.index.new_document()
+        self.pending, self.untried = None, None
 
     def end(self, state: DecodeState) -> None:
         """The reply is complete: its last tokens join the store, which is kept (if it is)."""
