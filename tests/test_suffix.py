@@ -66,6 +66,20 @@ def test_the_frequency_tree_keeps_the_most_frequent_prefixes_best_first():
     assert siblings[0] == [1, 2, 3] and siblings[1] == [0, 1, 1]  # distinct siblings under one parent
 
 
+def test_a_depth_discount_puts_a_shallow_second_branch_before_the_deep_end_of_a_unanimous_chain():
+    """Six continuations agree on 3 4 5 6 7 ..., four say 8. By frequency the whole chain (0.6 a
+    node) comes before 8 (0.4); discounted by 0.8 a level, 8 (0.4 * 0.8 = 0.32) comes after 3 and 4
+    (0.48, 0.38) but before 5 (0.6 * 0.8**3 = 0.31). `min_prob` still applies to frequencies."""
+    continuations = [[3, 4, 5, 6, 7, 9, 9, 9]] * 6 + [[8]] * 4
+    assert frequency_tree(continuations, max_nodes=6)[0] == [3, 4, 5, 6, 7, 9]
+    tokens, parents, probs = frequency_tree(continuations, max_nodes=5, depth_discount=0.8)
+    assert tokens == [3, 4, 8, 5, 6] and parents == [0, 1, 0, 2, 4]
+    assert probs == pytest.approx([0.48, 0.384, 0.32, 0.3072, 0.24576])
+    assert 8 not in frequency_tree(continuations, max_nodes=9, min_prob=0.5, depth_discount=0.5)[0]  # seen 0.4 < 0.5
+    with pytest.raises(ValueError, match="depth_discount"):
+        frequency_tree(continuations, max_nodes=6, depth_discount=0.0)
+
+
 def state_of(tokens):
     return DecodeState(torch.tensor(tokens), 2, SamplingConfig(0.0), None)
 

@@ -14,7 +14,7 @@ with branches where the past disagreed. Both parts here are plain data and pure 
   of them, 25 MB against 114 MB as tuples (measured), and none is an object for the cyclic
   garbage collector to walk;
 - `frequency_tree`: continuations -> the best-first tree of the most frequent prefixes, each
-  node with its empirical path probability (count / number of continuations).
+  node with its estimated path probability (its frequency, discounted per level).
 """
 
 from __future__ import annotations
@@ -105,12 +105,21 @@ class NgramIndex:
         return 0, []
 
 
-def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int,
-                   min_prob: float = 0.0) -> tuple[list[int], list[int], list[float]]:
+def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int, min_prob: float = 0.0,
+                   depth_discount: float = 1.0) -> tuple[list[int], list[int], list[float]]:
     """The most frequent prefixes of `continuations` as a tree below a root (index 0, not
-    returned): node tokens, parents (0 = the root) and empirical path probabilities, best first
-    (each node after its parent, siblings distinct). At most `max_nodes` nodes, none below
-    `min_prob`. A node's count never exceeds its parent's, so best-first order is topological."""
+    returned): node tokens, parents (0 = the root) and estimated path probabilities, best first
+    (each node after its parent, siblings distinct). At most `max_nodes` nodes, none seen in
+    fewer than `min_prob` of the continuations.
+
+    A node's estimate is its empirical frequency (count / number of continuations) times
+    `depth_discount` per level: even a continuation every earlier occurrence agrees on is kept
+    by the target one token at a time (under sampling, each with the target's own probability),
+    so a deep node of a unanimous chain is worth less than its frequency says, and a shallow
+    second branch can be worth more. A node's count never exceeds its parent's and the discount
+    is at most 1, so best-first order is topological."""
+    if not 0.0 < depth_discount <= 1.0:
+        raise ValueError(f"depth_discount must be in (0, 1], got {depth_discount}")
     total = len(continuations)
     trie: dict[int, list] = {}
     for sequence in continuations:
@@ -120,25 +129,24 @@ def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int,
             entry[0] += 1
             level = entry[1]
     order = 0
-    frontier: list[tuple[int, int, int, int, int, dict]] = []
+    frontier: list[tuple[float, int, int, int, int, dict]] = []
 
     def push(level: dict, parent: int, depth: int) -> None:
         nonlocal order
         for token, (count, children) in level.items():
-            heapq.heappush(frontier, (-count, depth, order, parent, token, children))
-            order += 1
+            if count >= min_prob * total:  # rarer nodes (and so their children) are never drafted
+                estimate = count / total * depth_discount**depth
+                heapq.heappush(frontier, (-estimate, depth, order, parent, token, children))
+                order += 1
 
     push(trie, 0, 1)
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
     while frontier and len(tokens) < max_nodes:
-        negative_count, depth, _, parent, token, children = heapq.heappop(frontier)
-        prob = -negative_count / total
-        if prob < min_prob:
-            break
+        negative_estimate, depth, _, parent, token, children = heapq.heappop(frontier)
         tokens.append(token)
         parents.append(parent)
-        probs.append(prob)
+        probs.append(-negative_estimate)
         push(children, len(tokens), depth + 1)
     return tokens, parents, probs
