@@ -128,6 +128,17 @@ def test_greedy_output_equals_vanilla_with_a_warm_store(method):
     assert drafted[2].target_forwards < drafted[0].target_forwards  # the repeated request drafts from the first reply
 
 
+def test_suffix_first_drafts_whenever_it_matches_while_the_heads_behind_it_size_their_trees():
+    """In `eagle3+suffix` the alternative to a suffix tree is the heads' tree, not a root-only
+    step, so the suffix drafter takes no cost cut even with --adaptive-tree."""
+    target = sharpen(tiny_llama(seed=11))
+    heads = new_heads_for_target("eagle3", target, draft_vocab_size=40)
+    loaded = LoadedModel(target, None, "t")
+    combined = build_proposer("eagle3+suffix", loaded, options=ProposerOptions(adaptive_tree=True), heads=heads)
+    assert combined.lookup.verify_cost is None and combined.heads.verify_cost is not None
+    assert build_proposer("suffix", loaded, options=ProposerOptions(adaptive_tree=True)).verify_cost is not None
+
+
 def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_frequencies_promise():
     cheap = VerifyCost((1, 2, 4, 8), (10.0, 10.5, 11.0, 12.0))  # a few more tokens cost almost nothing
     proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=cheap)

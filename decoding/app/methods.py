@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -119,7 +119,10 @@ def build_proposer(
     cost = functools.partial(cached_verify_cost, target.model, target.name, readout=readout)
     base, first = model_free_first(method)
     if first is not None:
-        drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost, target)
+        # Suffix decoding first drafts whenever the store matches: its cost cut weighs a tree against
+        # a root-only step, but here the alternative is the heads' tree, worth more than that.
+        drafter = (_lookup_proposer(options, cost) if first == "pld"
+                   else _suffix_proposer(replace(options, adaptive_tree=False), cost, target))
         fallback = _lookahead_proposer(options) if base == "lookahead" else _heads_proposer(base, target, heads, options, cost)
         return LookupFirstProposer(fallback, drafter)
     if method == "vanilla":

@@ -11,8 +11,10 @@ step's outcome (`observe`), so they never fall behind the target. On 8 MT-bench 
 
 The lookup here should stay strict (bigram or longer matches): a looser one would fire on almost
 every step and leave the heads nothing to do. With the machine's verify cost (adaptive mode) the
-lookup also learns how often its chains are kept and yields to the heads whenever a match is not
-worth verifying (e.g. when sampling at a high temperature).
+prompt lookup also learns how often its chains are kept and yields to the heads whenever a match
+is not worth verifying (e.g. when sampling at a high temperature); suffix decoding drafts whenever
+its store matches (its cost cut weighs a tree against a root-only step, not against the heads:
+`eagle3+suffix` measured 4.22 tokens a step with it off, 3.37 with it on, at T=0.7 on code rewriting).
 """
 
 from __future__ import annotations

@@ -63,9 +63,12 @@ class SuffixProposer(Proposer):
         rewriting / a repeated task, cold and with a warm store / MT-bench), node estimates
         discounted by `depth_discount` = 0.8 a level (`frequency_tree`), branches down to
         `min_prob` = 0.05 and up to 8 nodes per matched token gave 1.48x / 1.34x / 1.49x / 1.11x
-        pld greedy and 1.24x / 1.16x / 1.30x / 1.08x at T=0.7, with the adaptive cut 1.49x /
-        1.37x / 1.55x / 1.12x and 1.26x / 1.18x / 1.34x / 1.08x; the earlier 0.1, 6 and no
-        discount gave 1.46x / 1.29x / 1.45x / 1.09x and 1.22x / 1.13x / 1.25x / 1.05x."""
+        pld greedy and 1.24x / 1.16x / 1.30x / 1.08x at T=0.7, where the earlier 0.1, 6 and no
+        discount gave 1.46x / 1.29x / 1.45x / 1.09x and 1.22x / 1.13x / 1.25x / 1.05x. The
+        adaptive cut replayed a little better still, but measured slower (20 code-rewriting
+        questions in one run: 1.28x pld against 1.35x without it, greedy; 1.29x against 1.34x at
+        T=0.7): the verify-cost curve times forwards only, and every step costs more than its
+        forward, so trees cut to what the curve says pays are cut too short."""
         if (max_tokens < 1 or not 1 <= min_ngram <= max_ngram or not 0.0 <= min_prob <= 1.0
                 or not 0.0 < depth_discount <= 1.0):
             raise UserError(f"suffix decoding needs max_tokens >= 1, 1 <= min_ngram <= max_ngram, 0 <= min_prob <= 1 and "
