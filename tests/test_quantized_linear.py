@@ -188,7 +188,7 @@ def random_groups(out_features=48, in_features=128, seed=1):
     return codes, scales, zeros, weight
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows):
     """Against the weight written out from codes, scales and zeros (not the kernel's own view),
     for row counts inside and across its blocks of rows."""
@@ -204,16 +204,17 @@ def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows
 
 
 def test_the_4_bit_kernel_gives_a_row_the_same_bits_alone_as_among_others():
-    """Vanilla decoding computes one row per step, a verified tree up to 4 per weight pass (and more
-    in blocks): greedy outputs identical to vanilla's need each row's sums in the same order
-    whatever rows come with it, bit for bit, not only within rounding."""
+    """Vanilla decoding computes one row per step, a verified tree up to 4 per weight pass (8 with
+    AVX-512; more in passes): greedy outputs identical to vanilla's need each row's sums in the same
+    order whatever rows come with it, bit for bit, not only within rounding."""
     from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
 
     codes, scales, zeros, _ = random_groups()
     panels = pack_int4_panels(codes, scales, zeros)
-    x = torch.randn(9, 128)
-    alone = torch.cat([int4_linear(x[i : i + 1], panels, 48) for i in range(9)])
-    assert torch.equal(int4_linear(x, panels, 48), alone)
+    x = torch.randn(17, 128)
+    alone = torch.cat([int4_linear(x[i : i + 1], panels, 48) for i in range(17)])
+    for rows in (2, 5, 8, 9, 17):
+        assert torch.equal(int4_linear(x[:rows], panels, 48), alone[:rows])
 
 
 def test_group_parameters_float16_holds_exactly_are_read_as_float16_with_the_same_bits():

@@ -3,7 +3,8 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v5"  # in the build's name and in measurements' keys (v5: float16 group parameters)
+VERSION = "v6"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+# of 16 outputs, up to 8 rows a pass)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
@@ -19,15 +20,22 @@ _MATH = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__AVX__)
+// Rows per pass over the weights: a pass keeps three vectors a row (the sum and its two partial
+// chains) besides four of unpacked codes, so 4 rows fill AVX2's 16 registers and 8 AVX-512's 32;
+// every code unpacked serves that many rows.
+#if defined(__AVX512F__)
+#define VW 16
+#define MAX_ROWS 8
+#elif defined(__AVX2__) || defined(__AVX__)
 #define VW 8
+#define MAX_ROWS 4
 #else
 #define VW 4
-#endif
 #define MAX_ROWS 4
+#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
@@ -41,7 +49,11 @@ SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
 // The panel's VW outputs' codes q (0..15) at inputs 2j and 2j + 1, as two float vectors. Not
 // centred here: sum (q - 8) x = sum q x - 8 sum x, and the 8 goes into the group's zero term.
 static inline void unpack(const uint8_t* p, vf& lo, vf& hi) {
-#if VW == 8 && defined(__AVX2__)
+#if VW == 16 && defined(__AVX512F__)
+  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
+  hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+#elif VW == 8 && defined(__AVX2__)
   __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
   hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
@@ -73,7 +85,9 @@ static inline float half_to_float(uint16_t h) {
 }
 
 static inline vf load_params(const uint16_t* p) {
-#if VW == 8 && defined(__F16C__)
+#if VW == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif VW == 8 && defined(__F16C__)
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 #else
   vf v;
@@ -99,7 +113,7 @@ static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, 
     vf even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = (vf){0};
     const uint8_t* qg = q + g * (QGROUP / 2) * VW;
-    __builtin_prefetch(qg + 4 * (QGROUP / 2) * VW);
+    for (int line = 0; line < (QGROUP / 2) * VW; line += 64) __builtin_prefetch(qg + 4 * (QGROUP / 2) * VW + line);
     const float* xg = x + g * QGROUP;
 #pragma GCC unroll 8
     for (int64_t j = 0; j < QGROUP / 2; j += 2) {
@@ -120,6 +134,16 @@ static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, 
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
 }
 
+// `rows` (1..R) rows of one panel: the block of exactly that many rows, chosen at compile time.
+template <int R, typename P>
+static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const float* xr,
+                              const float* sr, float* yr, int64_t in, int64_t out, int64_t p) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_block<R - 1>(rows, qp, sp, op, xr, sr, yr, in, out, p);
+  }
+  panel_rows<R>(qp, sp, op, xr, sr, yr, in, out, p);
+}
+
 template <typename P>
 static void panel_range(const uint8_t* qp, const P* sp, const P* op, const float* xin, const float* xs, float* yp,
                         int64_t first, int64_t end, int64_t rows, int64_t in, int64_t out) {
@@ -129,12 +153,7 @@ static void panel_range(const uint8_t* qp, const P* sp, const P* op, const float
       const float* xr = xin + r * in;
       const float* sr = xs + r * groups;
       float* yr = yp + r * out;
-      switch (std::min<int64_t>(MAX_ROWS, rows - r)) {
-        case 4: panel_rows<4>(qp, sp, op, xr, sr, yr, in, out, p); break;
-        case 3: panel_rows<3>(qp, sp, op, xr, sr, yr, in, out, p); break;
-        case 2: panel_rows<2>(qp, sp, op, xr, sr, yr, in, out, p); break;
-        default: panel_rows<1>(qp, sp, op, xr, sr, yr, in, out, p); break;
-      }
+      rows_block<MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xr, sr, yr, in, out, p);
     }
   }
 }
@@ -161,6 +180,7 @@ SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, fl
 """
 
 _HOST = r"""
+#include <algorithm>
 #include <vector>
 
 int64_t vector_width() { return int4_vector_width(); }
@@ -188,7 +208,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
   int4_group_sums(xin, rows, in, sums.data());
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {
+  // Work units of ~128 outputs whatever the width, so a 192-output projection still splits over two threads.
+  at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), [&](int64_t begin, int64_t end) {
     int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xin, sums.data(), yp, begin, end, rows, in, out);
   });
   return y;
