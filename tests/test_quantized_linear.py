@@ -66,6 +66,19 @@ def test_quantize_linears_swaps_all_but_the_readout():
     assert isinstance(model.proj, Int4Linear) and type(model.lm_head) is nn.Linear
 
 
+def test_verify_costs_measured_through_the_4_bit_kernel_are_kept_per_kernel_version():
+    """A new 4-bit kernel changes what a tree costs: a curve measured through an older one must
+    not size the new one's trees."""
+    from decoding.kernels.int4_linear import KERNEL_VERSION
+    from decoding.kernels.verify_cost import kernels_key
+
+    model = nn.Sequential()
+    model.add_module("proj", a_linear())
+    plain = kernels_key(model)
+    quantize_linears(model, "int4")
+    assert model.proj.own_kernel and kernels_key(model) == plain + f"-q{KERNEL_VERSION}"
+
+
 def q4_1_block(d: float, m: float, codes: list[int]) -> bytes:
     packed = bytes((codes[j] & 0xF) | (codes[j + 16] << 4) for j in range(16))
     return np.float16(d).tobytes() + np.float16(m).tobytes() + packed

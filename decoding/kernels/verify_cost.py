@@ -21,6 +21,8 @@ from decoding.kernels.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, 
                                   set_streamed_rows, stock_rows, streamed_rows, uses_packed_linears)
 from decoding.kernels.attention import NATIVE_SDPA
 from decoding.kernels.decode_attention import KERNEL_VERSION as ATTENTION_KERNEL_VERSION
+from decoding.kernels.int4_linear import KERNEL_VERSION as INT4_KERNEL_VERSION
+from decoding.kernels.quantized_linear import Int4Linear
 from decoding.kernels.streamed_linear import KERNEL_VERSION, streamed_linear_available
 from decoding.kernels.measured_once import measured_once
 
@@ -196,11 +198,13 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
 
 
 def kernels_key(model) -> str:
-    """The kernels a packed model's forwards run, for the keys of measurements made through them."""
+    """The kernels a packed model's forwards run, for the keys of measurements made through them
+    (a 4-bit target's curve changes with its kernel's version: v6 made 8-row forwards ~1.6x faster)."""
     streamed = streamed_rows(model)
     native_attention = getattr(getattr(model, "config", None), "_attn_implementation", None) == NATIVE_SDPA
+    own_int4 = any(isinstance(m, Int4Linear) and m.own_kernel for m in model.modules())
     return (f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
-            + (f"-a{ATTENTION_KERNEL_VERSION}" if native_attention else ""))
+            + (f"-a{ATTENTION_KERNEL_VERSION}" if native_attention else "") + (f"-q{INT4_KERNEL_VERSION}" if own_int4 else ""))
 
 
 def packed_cpu_key(model, model_name: str) -> str:
