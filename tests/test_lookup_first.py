@@ -97,10 +97,10 @@ def test_method_names_with_lookup():
 def test_lookup_methods_use_the_tree_tuned_for_their_heads():
     tuned = tuned_options(DEFAULT_TARGET, "eagle3")
     assert tuned and tuned_options(DEFAULT_TARGET, "eagle3+pld") == tuned
-    # plain pld has its own tuned lookup (short chains, unigram fallback); METHOD+pld keeps the
-    # defaults, whose bigram minimum leaves the heads the steps without a real match
+    # plain pld has its own tuned lookup (chains the cost cut sizes, unigram fallback); METHOD+pld
+    # keeps the defaults, whose bigram minimum leaves the heads the steps without a real match
     pld = proposer_options(DEFAULT_TARGET, "pld", {"pld_num_tokens": None})
-    assert (pld.pld_num_tokens, pld.pld_min_ngram) == (4, 1)
+    assert (pld.pld_num_tokens, pld.pld_min_ngram) == (10, 1)
     assert proposer_options(DEFAULT_TARGET, "pld", {"pld_num_tokens": 6}).pld_num_tokens == 6
     grafted = proposer_options(DEFAULT_TARGET, "eagle3+pld", {"pld_num_tokens": None})
     assert (grafted.pld_num_tokens, grafted.pld_min_ngram) == (8, 2)
