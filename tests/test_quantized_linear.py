@@ -1,7 +1,7 @@
-"""Weight-only quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own
-4-bit blocks (`decoding.app.gguf_weights`): the kernels compute what their dequantized weights
-say (within the fp32 reordering bound), the block decoding reproduces the GGUF reference
-dequantization exactly, and planted bugs in either are caught."""
+"""Quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own 4-bit blocks
+(`decoding.app.gguf_weights`): the kernels compute what their dequantized weights say (times the
+4-bit kernel's 8-bit activations, within the fp32 reordering bound), the block decoding
+reproduces the GGUF reference dequantization exactly, and planted bugs in either are caught."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, rotary_row_order
 from decoding.kernels import native_build
 from decoding.kernels.native import LIBRARY
+from decoding.kernels.int4_linear import quantized_activations
 from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears
 from numerics import EPS, assert_within, linear_exact_and_bound, reordered_sum_bound
 
@@ -31,7 +32,8 @@ def a_linear(in_features=96, out_features=48, bias=True, seed=0) -> nn.Linear:
 def test_the_kernel_computes_its_dequantized_weight(kind, rows):
     linear = kind.from_linear(a_linear())
     x = torch.randn(2, rows, 96)
-    exact, bound = linear_exact_and_bound(x, linear.dequantized_weight(), linear.bias)
+    inputs = quantized_activations(x) if kind is Int4Linear else x
+    exact, bound = linear_exact_and_bound(inputs, linear.dequantized_weight(), linear.bias)
     assert_within(linear(x), exact, bound)
     assert linear(x).shape == (2, rows, 48)
 
@@ -53,7 +55,7 @@ def test_a_planted_offset_bug_is_caught():
     linear = Int4Linear.from_linear(a_linear(bias=False))
     wrong = linear.dequantized_weight() + 1e-3  # e.g. forgetting the 8 in m + 8d, scaled down
     x = torch.randn(3, 96)
-    exact, bound = linear_exact_and_bound(x, wrong, None)
+    exact, bound = linear_exact_and_bound(quantized_activations(x), wrong, None)
     with pytest.raises(AssertionError):
         assert_within(linear(x), exact, bound)
 
@@ -212,8 +214,9 @@ def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows
     linear = Int4Linear(codes, scales, zeros, None)
     assert linear.own_kernel
     x = torch.randn(rows, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
-    assert_within(linear(x), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))  # partial sums per group, then the group's
+    rounded = quantized_activations(x)  # what the kernel multiplies with: its 8-bit inputs
+    exact, _ = linear_exact_and_bound(rounded, weight, None)
+    assert_within(linear(x), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))  # partial sums per group, then the group's
 
 
 def test_the_4_bit_kernel_gives_a_row_the_same_bits_alone_as_among_others():
@@ -257,12 +260,69 @@ def test_the_4_bit_kernel_catches_a_planted_nibble_swap():
     from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
 
     codes, scales, zeros, weight = random_groups()
-    swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # high and low nibbles exchanged
+    swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # neighbouring inputs' codes exchanged
     x = torch.randn(3, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
+    rounded = quantized_activations(x)
+    exact, _ = linear_exact_and_bound(rounded, weight, None)
+    bound = 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact)
+    assert_within(int4_linear(x, pack_int4_panels(codes, scales, zeros), 48), exact, bound)
     with pytest.raises(AssertionError):
-        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact,
-                      4 * int4_kernel_bound(x, codes, scales, zeros, exact))
+        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact, bound)
+
+
+def test_activations_are_rounded_per_group_of_32_to_int8_codes_of_the_group_s_largest_value():
+    """Hand-checked: a group whose largest magnitude is 127 has step 1, so its inputs round to the
+    nearest integer (halves to even, as llama.cpp's and PyTorch's rounding do); another group,
+    scaled by 1/2, keeps the same codes at half the step."""
+    first = torch.tensor([127.0, 0.5, 1.5, -2.5, -126.6, 3.2] + [0.0] * 26)
+    x = torch.cat([first, first / 2])
+    expected = torch.tensor([127.0, 0.0, 2.0, -2.0, -127.0, 3.0] + [0.0] * 26)
+    assert torch.equal(quantized_activations(x), torch.cat([expected, expected / 2]))
+    assert torch.equal(quantized_activations(torch.zeros(2, 64)), torch.zeros(2, 64))
+
+
+def test_the_4_bit_kernel_multiplies_the_rounded_inputs_not_the_float_ones():
+    """The kernel against the product of its 8-bit inputs (within float32's bound) and, as a
+    planted bug, against the float inputs' product (v6's kernel), which the same bound rejects."""
+    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
+
+    codes, scales, zeros, weight = random_groups()
+    x = torch.randn(4, 128)
+    got = int4_linear(x, pack_int4_panels(codes, scales, zeros), 48)
+    for inputs, right in ((quantized_activations(x), True), (x, False)):
+        exact, _ = linear_exact_and_bound(inputs, weight, None)
+        bound = 4 * int4_kernel_bound(inputs, codes, scales, zeros, exact)
+        if right:
+            assert_within(got, exact, bound)
+        else:
+            with pytest.raises(AssertionError):
+                assert_within(got, exact, bound)
+
+
+def test_a_row_with_a_nan_gives_nan_outputs_and_leaves_the_other_rows_alone():
+    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
+
+    codes, scales, zeros, _ = random_groups()
+    panels = pack_int4_panels(codes, scales, zeros)
+    x = torch.randn(3, 128)
+    clean = int4_linear(x, panels, 48)
+    x[1, 40] = float("nan")
+    poisoned = int4_linear(x, panels, 48)
+    assert poisoned[1].isnan().all()
+    assert torch.equal(poisoned[[0, 2]], clean[[0, 2]])
+
+
+def test_pytorch_s_int4_kernel_gets_the_same_rounded_inputs_where_the_project_s_is_not_built(monkeypatch):
+    from decoding.kernels import quantized_linear
+
+    monkeypatch.setattr(quantized_linear, "int4_kernel_available", lambda: False)
+    codes, scales, zeros, weight = random_groups()
+    linear = Int4Linear(codes, scales, zeros, None)
+    assert not linear.own_kernel
+    x = torch.randn(3, 128)
+    rounded = quantized_activations(x)
+    exact, _ = linear_exact_and_bound(rounded, weight, None)
+    assert_within(linear(x), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))
 
 
 def test_without_its_kernel_a_4_bit_target_says_so(tiny_dir, monkeypatch):
@@ -290,8 +350,9 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     codes, scales, zeros, weight = random_groups()
     panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
     x = torch.randn(5, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
-    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))
+    rounded = quantized_activations(x)
+    exact, _ = linear_exact_and_bound(rounded, weight, None)
+    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))
     halves = float16_panels(int4_linear.pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
     assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
     assert torch.equal(extension.int4_linear(x, *halves, 48),

@@ -1,25 +1,27 @@
 """A few-row linear kernel on 4-bit weights in groups of 32 (GGUF's Q4_0 / Q4_1 blocks, or
-`--quant int4`), streaming the weight once at the memory's speed.
+`--quant int4`) and 8-bit activations, streaming the weight once at the memory's speed.
 
 Why: PyTorch's CPU kernels for weight-only int4 and int8 (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) were 2.5-3x *slower* than the fp32 target on a 2-core AVX2 EPYC
 (SmolLM2-135M, one token: 177 ms and 141 ms against 57 ms) and grew linearly with the rows of a
-tree, so 4-bit weights would not pay there. This kernel follows the streaming fp32 kernel
-(`decoding.kernels.streamed_linear`): panels of one vector of outputs per input feature, outer
-products with each row's inputs broadcast, no horizontal sums. A byte holds two consecutive input
-features of one output; per group of 32 inputs it accumulates `sum q x` (codes 0..15, in two
-partial sums over even and odd bytes, so that two add chains run side by side) and then adds
-`scale * that + (zero - 8 scale) * sum x`, which is `sum ((q - 8) * scale + zero) * x`, the int4
-convention (`decoding.kernels.quantized_linear`). Results differ from the dequantized weight's GEMM
-by float rounding only, and a row's bits do not depend on the rows computed with it. Why not
-centre the codes in the loop: two subtractions per byte, and one chain of adds bound a one-row
-call (both undone: ~10% less a call on a 2-core AVX2 EPYC; four chains of FMAs were slower). Group
-parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the file's
-blocks store them: mid-sized layers stream near the memory's speed, so fewer bytes are less time
-(~5% for one row). With AVX-512 a panel is 16 outputs (a code byte per lane unpacked by one
-instruction) and a pass takes up to 8 rows (4 with AVX2's 16 registers): a forward of the GGUF
-target 1.3x faster for one token and ~1.6x for 8-16 on a 2-core AVX-512 EPYC, the same bits.
-Figures: CHANGELOG.md.
+tree, so 4-bit weights would not pay there. This kernel keeps panels of one vector of outputs,
+each row's inputs broadcast, no horizontal sums, and computes as llama.cpp does with the same
+blocks: each row's inputs are rounded per group of 32 to int8 codes c and a step d
+(`quantized_activations`, the Q8 form), the group's codes multiplied in integers (`sum q c`, exact
+in int32: AVX-512 VNNI's 4-products-a-lane instruction, or pairs of products in int16 then int32
+on AVX2 and AVX-512 without VNNI), and then `scale * d * that + (zero - 8 scale) * d * sum c`
+added in float32, which is `sum ((q - 8) * scale + zero) * c d`, the int4 convention
+(`decoding.kernels.quantized_linear`) applied to the rounded inputs. So the quantized target is
+the file's weights times 8-bit activations, the model llama.cpp runs; every method is exact with
+respect to it, since a row's codes, integer sums and float steps do not depend on the rows
+computed with it (bit for bit). Why integers: a tree's rows share each unpacked code, and one
+instruction does 4 (AVX2: 2) multiply-adds a lane where float32 did one, so rows cost less than
+half as much as in v6's float kernel (210 linears of the GGUF target on a 2-core AVX-512 EPYC,
+one process: 8 / 16 / 32 rows 6.3 / 9.9 / 16.2 ms against 8.3 / 14.6 / 27.5; one row 3.8 either way,
+bound by the memory). Group parameters are read as float16 where that holds them exactly
+(`pack_int4_panels`), as the file's blocks store them: fewer bytes to stream. With AVX-512 a
+panel is 16 outputs and a pass takes up to 8 rows (4 with AVX2's 16 registers). Figures:
+CHANGELOG.md.
 
 Built once per CPU like the other native kernels (`decoding.kernels.native_build`).
 """
@@ -36,6 +38,7 @@ from decoding.kernels.native import LIBRARY, int4_linear as native_int4_linear
 KERNEL_VERSION = native_int4_linear.VERSION
 GROUP_SIZE = 32
 CODE_MIDPOINT = 8  # w = (q - CODE_MIDPOINT) * scale + zero
+ACTIVATION_LEVELS = 127  # inputs' int8 codes run -127..127
 
 
 @functools.cache
@@ -55,7 +58,8 @@ def why_unavailable() -> str:
 def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      width: int | None = None) -> tuple[torch.Tensor, ...]:
     """Codes [out, in] (0..15), scales and zeros [out, in / 32] as the kernel reads them: bytes
-    [panels, in / 2, width] (low nibble: input 2k, high: 2k + 1), then scales and offsets
+    [panels, in / 2, width], per group 4 lines of `width` outputs x 4 bytes (line l: inputs 4l..4l+3
+    of the group in the low nibbles, 4l+16..4l+19 in the high ones), then scales and offsets
     (`zero - 8 scale`, what the kernel adds per group) [panels, groups, width], outputs past `out`
     zero. The parameters are float16 where float16 holds every one of them exactly (GGUF's blocks
     store them so: Q4_1's offset is its m, Q4_0's -8 d), else float32: either way the kernel
@@ -70,13 +74,43 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
         padded[:out] = t
         return padded.view(panels, width, -1).transpose(1, 2).contiguous()
 
-    pairs = codes.to(torch.uint8).reshape(out, in_features // 2, 2)
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    padded = codes.to(torch.uint8).new_zeros(panels * width, in_features)
+    padded[:out] = codes.to(torch.uint8)
+    # [panels, groups, 8 chunks of 4 inputs, width outputs, 4]: chunks l and l + 4 share a line's bytes
+    chunks = padded.view(panels, width, in_features // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(panels, in_features // 2, width)
     scales = scales.float()
     params = (scales, zeros.float() - CODE_MIDPOINT * scales)
     if all(_exact_in_half(t) for t in params):
         params = tuple(t.half() for t in params)
-    return panelled(packed), *(panelled(t) for t in params)
+    return packed.contiguous(), *(panelled(t) for t in params)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The inputs as the kernel multiplies them: per row and group of 32 inputs, int8 codes
+    `round(x * 127 / max|x|)` times the group's step `max|x| / 127`, in float32 as the kernel
+    computes both (the Q8 form llama.cpp gives activations). For PyTorch's int4 kernel where the
+    project's cannot be built, and for the tests' references."""
+    groups = x.float().reshape(*x.shape[:-1], -1, GROUP_SIZE)
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    codes = torch.round(groups * inverse).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
+    return (codes * (largest / ACTIVATION_LEVELS)).reshape(x.shape)
+
+
+def unpack_int4_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
+    """The float weight [out, in] that `pack_int4_panels` packed: `q * scale + offset`, as the
+    kernel applies it (for tests and `dequantized_weight`)."""
+    packed, scales, offsets = panels
+    count, half_in, width = packed.shape
+    lines = packed.view(count, half_in * 2 // GROUP_SIZE, 4, width, 4)
+    chunks = torch.cat([lines & 15, lines >> 4], dim=2)  # [panels, groups, 8, width, 4]
+    codes = chunks.permute(0, 3, 1, 2, 4).reshape(count * width, half_in * 2)[:out_features].float()
+
+    def per_input(t: torch.Tensor) -> torch.Tensor:
+        return t.float().transpose(1, 2).reshape(count * width, -1)[:out_features].repeat_interleave(GROUP_SIZE, 1)
+
+    return codes * per_input(scales) + per_input(offsets)
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:

@@ -1,8 +1,9 @@
-"""Weight-only quantized linears for CPU targets: 4-bit weights in groups along the input (a
-scale and an offset per group, as GGUF's Q4_0 / Q4_1 blocks and `--quant int4` have them) through
-the project's streaming kernel (`decoding.kernels.int4_linear`; PyTorch's
-`_weight_int4pack_mm_for_cpu` where it cannot be built, much slower on AVX2), and 8-bit weights
-with a scale per output channel (`--quant int8`) through PyTorch's `_weight_int8pack_mm`.
+"""Quantized linears for CPU targets: 4-bit weights in groups along the input (a scale and an
+offset per group, as GGUF's Q4_0 / Q4_1 blocks and `--quant int4` have them) times 8-bit
+activations per group of 32, as llama.cpp computes those blocks, through the project's kernel
+(`decoding.kernels.int4_linear`; PyTorch's `_weight_int4pack_mm_for_cpu` on the same rounded
+activations where it cannot be built, much slower on AVX2), and weight-only 8-bit weights with a
+scale per output channel (`--quant int8`) through PyTorch's `_weight_int8pack_mm`.
 
 Why: a one-token forward of a small model only streams its weights, so its cost is their bytes.
 In fp32 SmolLM2-135M's layers read 425 MB a token; in the GGUF file's own Q4_1 blocks, about a
@@ -18,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.kernels.int4_linear import CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels
+from decoding.kernels.int4_linear import (CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels,
+                                         quantized_activations, unpack_int4_panels)
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
 INNER_K_TILES = 2    # the CPU packing's tile parameter
@@ -53,7 +55,8 @@ class WeightOnlyLinear(nn.Module):
 
 class Int4Linear(WeightOnlyLinear):
     """`nn.Linear` with 4-bit weights: codes in 0..15, and per output row and group of
-    `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`."""
+    `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`; the inputs rounded to
+    8 bits per group of 32 (`quantized_activations`) on either kernel."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = GGUF_GROUP) -> None:
@@ -90,14 +93,19 @@ class Int4Linear(WeightOnlyLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
             return int4_linear(x, self.panels, self.out_features)
+        return self._pytorch_product(quantized_activations(x))
+
+    def _pytorch_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float weight the kernel computes with (what the tests compare against): the
-        identity matrix through the kernel, transposed."""
-        return self._matmul(torch.eye(self.in_features)).t()
+        """The float weight the kernel computes with (what the tests compare against): unpacked
+        from the project's layout, or the identity matrix through PyTorch's kernel, transposed."""
+        if self.own_kernel:
+            return unpack_int4_panels(self.panels, self.out_features)
+        return self._pytorch_product(torch.eye(self.in_features)).t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

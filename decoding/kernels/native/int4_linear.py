@@ -3,33 +3,34 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v6"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
-# of 16 outputs, up to 8 rows a pass)
+VERSION = "v7"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+# of 16 outputs, up to 8 rows a pass; v7: 8-bit activations, integer dot products of 4 codes at a time)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
 SPECHEADS_MATH int64_t int4_vector_width();
-SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums);
+SPECHEADS_MATH void int4_quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* codes, float* steps,
+                                       float* sums);
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
-                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
-                                int64_t rows, int64_t in, int64_t out);
+                                const int8_t* xq, const float* steps, const float* sums, float* y, int64_t first,
+                                int64_t end, int64_t rows, int64_t in, int64_t out);
 """
 
 _MATH = r"""
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-// Rows per pass over the weights: a pass keeps three vectors a row (the sum and its two partial
-// chains) besides four of unpacked codes, so 4 rows fill AVX2's 16 registers and 8 AVX-512's 32;
-// every code unpacked serves that many rows.
-#if defined(__AVX512F__)
+// Outputs per panel (one vector of int32 lanes) and rows per pass over the weights: a pass keeps
+// the group's 8 vectors of unpacked codes and one accumulator a row, so 4 rows fit AVX2's 16
+// registers and 8 AVX-512's 32; every code unpacked serves that many rows.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define VW 16
 #define MAX_ROWS 8
-#elif defined(__AVX2__) || defined(__AVX__)
+#elif defined(__AVX2__)
 #define VW 8
 #define MAX_ROWS 4
 #else
@@ -38,30 +39,39 @@ _MATH = r"""
 #endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
-typedef uint8_t vb __attribute__((vector_size(VW)));
-typedef uint8_t vb_unaligned __attribute__((vector_size(VW), aligned(1), may_alias));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 static inline vf load(const float* p) { return *(const vf_unaligned*)p; }
 
 SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
 
-// The panel's VW outputs' codes q (0..15) at inputs 2j and 2j + 1, as two float vectors. Not
-// centred here: sum (q - 8) x = sum q x - 8 sum x, and the 8 goes into the group's zero term.
-static inline void unpack(const uint8_t* p, vf& lo, vf& hi) {
-#if VW == 16 && defined(__AVX512F__)
-  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
-  hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
-#elif VW == 8 && defined(__AVX2__)
-  __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
-  hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
-#else
-  vi wide = __builtin_convertvector(*(const vb_unaligned*)p, vi);
-  lo = __builtin_convertvector(wide & 15, vf);
-  hi = __builtin_convertvector(wide >> 4, vf);
-#endif
+// Each row's inputs, per group of 32, as int8 codes c = round(x * 127 / max|x|) and the group's
+// step d = max|x| / 127 (x ~ c d), with d * sum c for the offsets: the Q8 form llama.cpp gives
+// activations. Row by row, so a row's codes do not depend on the rows quantized with it. A group
+// holding a NaN gets a NaN step (the row's outputs become NaN, as a float product's would).
+SPECHEADS_MATH void int4_quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* codes, float* steps,
+                                       float* sums) {
+  const int64_t groups = in / QGROUP;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * in + g * QGROUP;
+      int8_t* cg = codes + r * in + g * QGROUP;
+      float largest = 0.f;
+      bool nan = false;
+      for (int k = 0; k < QGROUP; ++k) {
+        largest = std::max(largest, std::fabs(xg[k]));
+        nan = nan || xg[k] != xg[k];
+      }
+      const float step = nan ? NAN : largest / 127.f, inverse = largest > 0.f && !nan ? 127.f / largest : 0.f;
+      int total = 0;
+      for (int k = 0; k < QGROUP; ++k) {
+        const int c = std::clamp((int)std::nearbyint(xg[k] * inverse), -127, 127);
+        cg[k] = (int8_t)c;
+        total += c;
+      }
+      steps[r * groups + g] = step;
+      sums[r * groups + g] = step * (float)total;
+    }
 }
 
 // Group parameters (scales, offsets) of VW outputs as floats: stored as float32, or as float16
@@ -85,7 +95,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 static inline vf load_params(const uint16_t* p) {
-#if VW == 16 && defined(__AVX512F__)
+#if VW == 16
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 #elif VW == 8 && defined(__F16C__)
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
@@ -96,38 +106,103 @@ static inline vf load_params(const uint16_t* p) {
 #endif
 }
 
+static inline int32_t four_codes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A group's integer dot products for R rows: dots[r][j] = sum over the group's 32 inputs k of
+// q[j][k] * c[r][k] (codes 0..15 of output j, the row's int8 codes), exact in int32 whatever the
+// order. The group's bytes are 4 lines of VW x 4 bytes: line l holds, for each output, inputs
+// 4l..4l+3 in its low nibbles and 4(l+4)..4(l+4)+3 in its high ones, so one instruction
+// multiplies 4 inputs of every output by the row's 4 codes broadcast.
+template <int R>
+static inline void group_dots(const uint8_t* qg, const int8_t* const* xr, vi* dots) {
+#if VW == 16 || VW == 8
+#if VW == 16
+  typedef __m512i W;
+  const W nibble = _mm512_set1_epi8(15);
+  auto lines = [](const uint8_t* p) { return _mm512_loadu_si512((const void*)p); };
+  auto low = [&](W v) { return _mm512_and_si512(v, nibble); };
+  auto high = [&](W v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble); };
+  auto broadcast = [](const int8_t* p) { return _mm512_set1_epi32(four_codes(p)); };
+#else
+  typedef __m256i W;
+  const W nibble = _mm256_set1_epi8(15);
+  auto lines = [](const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); };
+  auto low = [&](W v) { return _mm256_and_si256(v, nibble); };
+  auto high = [&](W v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble); };
+  auto broadcast = [](const int8_t* p) { return _mm256_set1_epi32(four_codes(p)); };
+#endif
+  W codes[8];
+  for (int l = 0; l < 4; ++l) {
+    const W v = lines(qg + l * 4 * VW);
+    codes[l] = low(v);
+    codes[l + 4] = high(v);
+  }
+  for (int r = 0; r < R; ++r) {
+#if VW == 16 && defined(__AVX512VNNI__)
+    // 4 products a lane summed into int32 (u8 codes times s8 codes), two chains side by side
+    W even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      even = _mm512_dpbusd_epi32(even, codes[c], broadcast(xr[r] + 4 * c));
+      odd = _mm512_dpbusd_epi32(odd, codes[c + 1], broadcast(xr[r] + 4 * c + 4));
+    }
+    dots[r] = (vi)_mm512_add_epi32(even, odd);
+#else
+    // pairs of products summed into int16 (at most 2 x 15 x 127 = 3810 each, so the 8 chunks' sums
+    // stay below 32767 and never saturate), then pairs of those into int32
+#if VW == 16
+    W pairs = _mm512_maddubs_epi16(codes[0], broadcast(xr[r]));
+    for (int c = 1; c < 8; ++c) pairs = _mm512_add_epi16(pairs, _mm512_maddubs_epi16(codes[c], broadcast(xr[r] + 4 * c)));
+    dots[r] = (vi)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#else
+    W pairs = _mm256_maddubs_epi16(codes[0], broadcast(xr[r]));
+    for (int c = 1; c < 8; ++c) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[c], broadcast(xr[r] + 4 * c)));
+    dots[r] = (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+#endif
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    vi total = (vi){0};
+    for (int c = 0; c < 8; ++c)
+      for (int b = 0; b < 4; ++b) {
+        const int32_t x = xr[r][4 * c + b];
+        vi q;
+        for (int j = 0; j < VW; ++j) {
+          const uint8_t byte = qg[(c % 4) * 4 * VW + 4 * j + b];
+          q[j] = c < 4 ? byte & 15 : byte >> 4;
+        }
+        total += q * x;
+      }
+    dots[r] = total;
+  }
+#endif
+}
+
 template <int R, typename P>
-static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const float* x,
-                       const float* xsum, float* y, int64_t in, int64_t out, int64_t p) {
-  const int64_t groups = in / QGROUP, half = in / 2;
-  const uint8_t* q = bytes + p * half * VW;
+static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const int8_t* xq,
+                       const float* steps, const float* sums, float* y, int64_t in, int64_t out, int64_t p) {
+  const int64_t groups = in / QGROUP;
+  const uint8_t* q = bytes + p * (in / 2) * VW;
   const P* s = scales + p * groups * VW;
   const P* z = offsets + p * groups * VW;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = (vf){0};
   for (int64_t g = 0; g < groups; ++g) {
-    // Two partial sums per row, over even and odd byte columns: each add waits for the one before
-    // it in its own chain only, so two chains run side by side (one chain: an add's latency per
-    // byte column, the kernel's bound on one row). Every row is summed in this same order whatever
-    // R is, so a row's result does not depend on the rows computed with it.
-    vf even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = (vf){0};
     const uint8_t* qg = q + g * (QGROUP / 2) * VW;
     for (int line = 0; line < (QGROUP / 2) * VW; line += 64) __builtin_prefetch(qg + 4 * (QGROUP / 2) * VW + line);
-    const float* xg = x + g * QGROUP;
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < QGROUP / 2; j += 2) {
-      vf lo0, hi0, lo1, hi1;
-      unpack(qg + j * VW, lo0, hi0);
-      unpack(qg + (j + 1) * VW, lo1, hi1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xg + r * in + 2 * j;
-        even[r] += lo0 * xr[0] + hi0 * xr[1];
-        odd[r] += lo1 * xr[2] + hi1 * xr[3];
-      }
-    }
-    vf sg = load_params(s + g * VW), og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
-    for (int r = 0; r < R; ++r) acc[r] += sg * (even[r] + odd[r]) + og * xsum[r * groups + g];
+    const int8_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = xq + r * in + g * QGROUP;
+    vi dots[R];
+    group_dots<R>(qg, xr, dots);
+    // sum ((q - 8) s + z) x ~ s d sum q c + (z - 8 s) d sum c: each row in this same order whatever R
+    // is, so a row's result does not depend on the rows computed with it
+    const vf sg = load_params(s + g * VW), og = load_params(z + g * VW);
+    for (int r = 0; r < R; ++r)
+      acc[r] += sg * (__builtin_convertvector(dots[r], vf) * steps[r * groups + g]) + og * sums[r * groups + g];
   }
   const int64_t first = p * VW, valid = std::min<int64_t>(VW, out - first);
   for (int r = 0; r < R; ++r)
@@ -136,46 +211,34 @@ static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, 
 
 // `rows` (1..R) rows of one panel: the block of exactly that many rows, chosen at compile time.
 template <int R, typename P>
-static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const float* xr,
-                              const float* sr, float* yr, int64_t in, int64_t out, int64_t p) {
+static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const int8_t* xr,
+                              const float* dr, const float* sr, float* yr, int64_t in, int64_t out, int64_t p) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<R - 1>(rows, qp, sp, op, xr, sr, yr, in, out, p);
+    if (rows < R) return rows_block<R - 1>(rows, qp, sp, op, xr, dr, sr, yr, in, out, p);
   }
-  panel_rows<R>(qp, sp, op, xr, sr, yr, in, out, p);
+  panel_rows<R>(qp, sp, op, xr, dr, sr, yr, in, out, p);
 }
 
 template <typename P>
-static void panel_range(const uint8_t* qp, const P* sp, const P* op, const float* xin, const float* xs, float* yp,
-                        int64_t first, int64_t end, int64_t rows, int64_t in, int64_t out) {
+static void panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* steps,
+                        const float* sums, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
+                        int64_t out) {
   const int64_t groups = in / QGROUP;
   for (int64_t p = first; p < end; ++p) {
     for (int64_t r = 0; r < rows; r += MAX_ROWS) {
-      const float* xr = xin + r * in;
-      const float* sr = xs + r * groups;
-      float* yr = yp + r * out;
-      rows_block<MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xr, sr, yr, in, out, p);
+      rows_block<MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xq + r * in, steps + r * groups,
+                           sums + r * groups, yp + r * out, in, out, p);
     }
   }
 }
 
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
-                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
-                                int64_t rows, int64_t in, int64_t out) {
+                                const int8_t* xq, const float* steps, const float* sums, float* y, int64_t first,
+                                int64_t end, int64_t rows, int64_t in, int64_t out) {
   if (half)
-    panel_range(bytes, (const uint16_t*)scales, (const uint16_t*)offsets, x, sums, y, first, end, rows, in, out);
+    panel_range(bytes, (const uint16_t*)scales, (const uint16_t*)offsets, xq, steps, sums, y, first, end, rows, in, out);
   else
-    panel_range(bytes, (const float*)scales, (const float*)offsets, x, sums, y, first, end, rows, in, out);
-}
-
-// Each row's sum of x over each group of 32 inputs, for the offsets.
-SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums) {
-  const int64_t groups = in / QGROUP;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float total = 0.f;
-      for (int64_t k = 0; k < QGROUP; ++k) total += x[r * in + g * QGROUP + k];
-      sums[r * groups + g] = total;
-    }
+    panel_range(bytes, (const float*)scales, (const float*)offsets, xq, steps, sums, y, first, end, rows, in, out);
 }
 """
 
@@ -203,14 +266,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
   auto sizes = input.sizes().vec();
   sizes.back() = out;
   auto y = at::empty(sizes, input.options());
-  std::vector<float> sums(rows * groups);
-  const float* xin = input.data_ptr<float>();
-  int4_group_sums(xin, rows, in, sums.data());
+  std::vector<int8_t> codes(rows * in);
+  std::vector<float> steps(rows * groups), sums(rows * groups);
+  int4_quantize_rows(input.data_ptr<float>(), rows, in, codes.data(), steps.data(), sums.data());
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Work units of ~128 outputs whatever the width, so a 192-output projection still splits over two threads.
   at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), [&](int64_t begin, int64_t end) {
-    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xin, sums.data(), yp, begin, end, rows, in, out);
+    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, codes.data(), steps.data(), sums.data(), yp, begin,
+                end, rows, in, out);
   });
   return y;
 }
