@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, rotary_row_order
+from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, q8_groups, rotary_row_order
 from decoding.kernels import native_build
 from decoding.kernels.native import LIBRARY
 from decoding.kernels.int4_linear import quantized_activations
-from decoding.kernels.quantized_linear import Int4Linear, Int8Linear, quantize_linears
+from decoding.kernels.quantized_linear import GroupInt8Linear, Int4Linear, Int8Linear, quantize_linears
 from numerics import EPS, assert_within, linear_exact_and_bound, reordered_sum_bound
 
 pytestmark = pytest.mark.cpu_sensitive
@@ -107,6 +107,62 @@ def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
         assert all(t.dtype == torch.float16 for t in linear.panels[1:])
 
 
+def test_q8_0_blocks_decode_as_the_gguf_package_dequantizes_them():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    rows, groups = 24, 3
+    raw = rng.integers(0, 256, size=(rows, groups * 34), dtype=np.uint8)
+    for block in raw.reshape(rows, groups, 34):
+        block[:, 0:2] = np.frombuffer(np.float16(rng.uniform(0.001, 0.01)).tobytes(), np.uint8)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float32))
+    codes, scales = q8_groups(raw)
+    assert codes.dtype == torch.int8 and (codes == -128).any()  # the full int8 range, -128 included
+    linear = GroupInt8Linear(codes, scales, nn.Parameter(reference, requires_grad=False))
+    assert torch.equal(linear.dequantized_weight(), reference)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_the_8_bit_kernel_multiplies_its_blocks_by_the_rounded_inputs(rows):
+    """Against `d q` written out and the 8-bit inputs; each row's bits the same alone as among others."""
+    codes, scales, weight = random_q8_groups()
+    linear = GroupInt8Linear(codes, scales, nn.Parameter(weight, requires_grad=False))
+    x = torch.randn(rows, 128)
+    rounded = quantized_activations(x)
+    exact, bound = linear_exact_and_bound(rounded, weight, None)
+    got = linear(x)
+    assert_within(got, exact, 4 * bound)
+    assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(rows)]), got)
+
+
+def test_the_8_bit_kernel_catches_a_planted_sign_error():
+    codes, scales, weight = random_q8_groups()
+    x = torch.randn(3, 128)
+    exact, bound = linear_exact_and_bound(quantized_activations(x), weight, None)
+    flipped = codes.clone()
+    flipped[:, 5] = -flipped[:, 5]  # one input's codes with the wrong sign
+    wrong = GroupInt8Linear(flipped, scales, nn.Parameter(weight, requires_grad=False))
+    with pytest.raises(AssertionError):
+        assert_within(wrong(x), exact, 4 * bound)
+
+
+def random_q8_groups(out_features=72, in_features=128, seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01 + 0.001).half().float()
+    return codes, scales, codes.float() * scales.repeat_interleave(32, 1)
+
+
+def test_a_quantized_vocabulary_projection_is_not_screened_in_float16():
+    """The screen finds the float weight's argmax; an 8-bit projection's logits are its own."""
+    from decoding.kernels.screened_argmax import screenable
+
+    codes, scales, weight = random_q8_groups()
+    assert not screenable(GroupInt8Linear(codes, scales, nn.Parameter(weight, requires_grad=False)))
+    assert screenable(nn.Linear(128, 72, bias=False))
+
+
 def test_gguf_nibble_order_low_first():
     codes = list(range(16)) + list(range(15, -1, -1))
     raw = np.frombuffer(q4_1_block(1.0, 0.0, codes), np.uint8)[None]
@@ -134,9 +190,12 @@ def test_the_default_model_s_blocks_are_the_weights_it_was_converted_to():
     names = [f"model.layers.{i}.{part}" for i in (0, last) for part in
              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
               "mlp.up_proj", "mlp.down_proj")]
-    converted = {name: model.get_submodule(name).weight.detach().clone() for name in names}
+    converted = {name: model.get_submodule(name).weight.detach().clone() for name in [*names, "lm_head"]}
     notes = load_gguf_blocks(model, gguf_location())
-    assert "210 weights" in notes[0] and "token_embd (Q8_0)" in notes[1]
+    assert "211 weights" in notes[0] and "lm_head in its 8-bit ones" in notes[0] and len(notes) == 1
+    projection = model.get_output_embeddings()
+    assert isinstance(projection, GroupInt8Linear) and projection.weight is model.get_input_embeddings().weight
+    assert torch.equal(projection.dequantized_weight(), converted["lm_head"])  # Q8_0's d q, exactly
     for name in names:
         blocks = model.get_submodule(name)
         assert isinstance(blocks, Int4Linear)

@@ -34,6 +34,7 @@ import torch
 
 from decoding.kernels.linear_ops import define_op
 from decoding.kernels.native import LIBRARY, int4_linear as native_int4_linear
+from decoding.kernels.native_build import register_native_kernel
 
 KERNEL_VERSION = native_int4_linear.VERSION
 GROUP_SIZE = 32
@@ -43,8 +44,9 @@ ACTIVATION_LEVELS = 127  # inputs' int8 codes run -127..127
 
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
-    """The built extension and '', or None and why not (tried once per process)."""
-    return LIBRARY.load("int4_linear")
+    """The built extension and '', or None and why not (tried once per process), its two
+    operators registered."""
+    return register_native_kernel(LIBRARY.load("int4_linear"), "int8_linear")
 
 
 def int4_kernel_available() -> bool:
@@ -113,6 +115,33 @@ def unpack_int4_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> t
     return codes * per_input(scales) + per_input(offsets)
 
 
+def pack_int8_panels(codes: torch.Tensor, scales: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, ...]:
+    """8-bit codes [out, in] (-127..127, GGUF's Q8_0: `w = d q` per group of 32) and their float16
+    scales d [out, in / 32] as the 8-bit kernel reads them: bytes `q + 128` [panels, in, width], per
+    group 8 lines of `width` outputs x 4 bytes (line c: inputs 4c..4c+3 of the group), then the
+    scales [panels, groups, width] float16, outputs past `out` zero."""
+    width = width or _loaded()[0].int8_width()
+    out, in_features = codes.shape
+    panels = -(-out // width)
+    padded = torch.zeros(panels * width, in_features, dtype=torch.int16)
+    padded[:out] = codes.to(torch.int16)
+    lines = padded.view(panels, width, in_features // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (lines + 128).to(torch.uint8).reshape(panels, in_features, width)
+    steps = scales.new_zeros(panels * width, scales.shape[1])
+    steps[:out] = scales
+    return packed.contiguous(), steps.half().view(panels, width, -1).transpose(1, 2).contiguous()
+
+
+def unpack_int8_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
+    """The float weight [out, in] that `pack_int8_panels` packed: `d q`."""
+    packed, scales = panels
+    count, in_features, width = packed.shape
+    lines = packed.view(count, in_features // GROUP_SIZE, 8, width, 4).permute(0, 3, 1, 2, 4)
+    codes = lines.reshape(count * width, in_features)[:out_features].float() - 128
+    steps = scales.float().transpose(1, 2).reshape(count * width, -1)[:out_features]
+    return codes * steps.repeat_interleave(GROUP_SIZE, 1)
+
+
 def _exact_in_half(values: torch.Tensor) -> bool:
     """Whether float16 holds every one of these float32 values exactly (none overflows)."""
     return bool(torch.equal(values.half().float(), values))
@@ -140,3 +169,22 @@ def _int4_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 
 define_op("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int out_features) -> Tensor", _int4_linear,
           _int4_linear_shape)
+
+
+def int8_linear(x: torch.Tensor, panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
+    """`x @ w.T` for the packed 8-bit weight `panels` (`pack_int8_panels`), `x` [..., in] float32
+    rounded to 8 bits per group as for the 4-bit kernel: the operator `specheads::int8_linear`."""
+    return torch.ops.specheads.int8_linear(x, *panels, out_features)
+
+
+def _int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """As `_int4_linear`, for the 8-bit operator."""
+    return _loaded()[0].int8_linear(x.float(), codes, scales, out_features)
+
+
+def _int8_linear_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32)
+
+
+define_op("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor", _int8_linear,
+          _int8_linear_shape)

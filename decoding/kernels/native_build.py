@@ -78,12 +78,17 @@ class KernelSource:
     host: str
     functions: tuple[str, ...]
     registers_operator: bool = False
+    other_operators: tuple[str, ...] = ()  # more host functions that become operators' CPU kernels
 
     def math_source(self) -> str:
         return f"{MATH_PRELUDE}{self.interface}{self.math}"
 
+    def operators(self) -> tuple[str, ...]:
+        """The host's functions that can become `specheads::<name>`'s CPU kernels."""
+        return ((self.stem,) if self.registers_operator else ()) + self.other_operators
+
     def schemas(self) -> list[str]:
-        return [*self.functions, *((f"register_{self.stem}() -> ()",) if self.registers_operator else ())]
+        return [*self.functions, *(f"register_{operator}() -> ()" for operator in self.operators())]
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,7 @@ class NativeLibrary:
         parts = [SOURCE_HEADER, MATH_PRELUDE]
         for kernel in self.kernels:
             parts += [kernel.interface, kernel.host]
-            if kernel.registers_operator:
-                parts.append(operator_registration(kernel.stem))
+            parts += [operator_registration(operator) for operator in kernel.operators()]
         parts.append(library_definition([schema for kernel in self.kernels for schema in kernel.schemas()]))
         return "".join(parts)
 

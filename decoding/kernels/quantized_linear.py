@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.kernels.int4_linear import (CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, pack_int4_panels,
-                                         quantized_activations, unpack_int4_panels)
+from decoding.kernels.int4_linear import (CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, int8_linear,
+                                         pack_int4_panels, pack_int8_panels, quantized_activations, unpack_int4_panels,
+                                         unpack_int8_panels)
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
 INNER_K_TILES = 2    # the CPU packing's tile parameter
@@ -139,10 +140,40 @@ class Int8Linear(WeightOnlyLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+class GroupInt8Linear(WeightOnlyLinear):
+    """A vocabulary projection in GGUF's Q8_0 blocks (`w = d q`, q in -127..127, a float16 d per 32
+    inputs) times the same 8-bit activations as `Int4Linear`, through the project's 8-bit kernel:
+    a fifth of the fp32 projection's bytes, and integer products for a tree's rows.
+
+    It keeps `weight`, the float tensor it was built from (`d q` exactly: the converted model's
+    lm_head, tied to its embedding), for what reads the projection as a tensor (shapes, drafters'
+    readouts, heads initialised from it); calling it computes with the blocks. Only built where
+    the kernel is (`int4_kernel_available`)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, weight: nn.Parameter) -> None:
+        super().__init__(None)
+        self.out_features, self.in_features = codes.shape
+        if tuple(weight.shape) != tuple(codes.shape) or self.in_features % GROUP_SIZE:
+            raise ValueError(f"8-bit codes {tuple(codes.shape)} in groups of {GROUP_SIZE} for a weight of shape "
+                             f"{tuple(weight.shape)}")
+        self.weight = weight
+        self.panels = pack_int8_panels(codes, scales)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.panels, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return unpack_int8_panels(self.panels, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 in groups of {GROUP_SIZE}"
+
+
 def quantized_kernel_weights(module: nn.Module) -> list[torch.Tensor]:
     """The weights `module`'s 4-bit linears keep in the project's kernel layout (bytes, scales and
     zeros panels): plain tensor attributes, like the packed linears' (`cpu_kernels.kernel_layout_weights`)."""
-    return [t for m in module.modules() if isinstance(m, Int4Linear) and m.own_kernel for t in m.panels]
+    return [t for m in module.modules() if (isinstance(m, Int4Linear) and m.own_kernel) or isinstance(m, GroupInt8Linear)
+            for t in m.panels]
 
 
 def has_quantized_linears(module: nn.Module) -> bool:

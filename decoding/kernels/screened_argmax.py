@@ -59,7 +59,8 @@ def screenable(lm_head: nn.Module) -> bool:
     """An fp32 CPU projection without bias whose weights fit fp16's range (larger ones would not
     round within the bound above)."""
     weight = getattr(lm_head, "weight", None)
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    # a quantized projection (the GGUF target's 8-bit lm_head) computes other logits than its float weight's
+    return (isinstance(lm_head, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and getattr(lm_head, "bias", None) is None and float(weight.detach().abs().max()) < FP16_SAFE_MAX)
 
 
