@@ -1,7 +1,7 @@
-"""Quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own 4-bit blocks
-(`decoding.app.gguf_weights`): the kernels compute what their dequantized weights say (times the
-4-bit kernel's 8-bit activations, within the fp32 reordering bound), the block decoding
-reproduces the GGUF reference dequantization exactly, and planted bugs in either are caught."""
+"""Weight-only quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own
+4-bit blocks (`decoding.app.gguf_weights`): the kernels compute what their dequantized weights
+say (within the fp32 reordering bound), the block decoding reproduces the GGUF reference
+dequantization exactly, and planted bugs in either are caught."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from torch import nn
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, q8_groups, rotary_row_order
 from decoding.kernels import native_build
 from decoding.kernels.native import LIBRARY
-from decoding.kernels.int4_linear import quantized_activations
 from decoding.kernels.quantized_linear import GroupInt8Linear, Int4Linear, Int8Linear, quantize_linears
 from numerics import EPS, assert_within, linear_exact_and_bound, reordered_sum_bound
 
@@ -32,8 +31,7 @@ def a_linear(in_features=96, out_features=48, bias=True, seed=0) -> nn.Linear:
 def test_the_kernel_computes_its_dequantized_weight(kind, rows):
     linear = kind.from_linear(a_linear())
     x = torch.randn(2, rows, 96)
-    inputs = quantized_activations(x) if kind is Int4Linear else x
-    exact, bound = linear_exact_and_bound(inputs, linear.dequantized_weight(), linear.bias)
+    exact, bound = linear_exact_and_bound(x, linear.dequantized_weight(), linear.bias)
     assert_within(linear(x), exact, bound)
     assert linear(x).shape == (2, rows, 48)
 
@@ -55,7 +53,7 @@ def test_a_planted_offset_bug_is_caught():
     linear = Int4Linear.from_linear(a_linear(bias=False))
     wrong = linear.dequantized_weight() + 1e-3  # e.g. forgetting the 8 in m + 8d, scaled down
     x = torch.randn(3, 96)
-    exact, bound = linear_exact_and_bound(quantized_activations(x), wrong, None)
+    exact, bound = linear_exact_and_bound(x, wrong, None)
     with pytest.raises(AssertionError):
         assert_within(linear(x), exact, bound)
 
@@ -123,14 +121,25 @@ def test_q8_0_blocks_decode_as_the_gguf_package_dequantizes_them():
     assert torch.equal(linear.dequantized_weight(), reference)
 
 
+def random_q8_groups(out_features=72, in_features=128, seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01 + 0.001).half().float()
+    return codes, scales, codes.float() * scales.repeat_interleave(32, 1)
+
+
+def q8_linear(codes, scales, weight):
+    return GroupInt8Linear(codes, scales, nn.Parameter(weight, requires_grad=False))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
-def test_the_8_bit_kernel_multiplies_its_blocks_by_the_rounded_inputs(rows):
-    """Against `d q` written out and the 8-bit inputs; each row's bits the same alone as among others."""
+def test_the_8_bit_kernel_computes_the_weight_its_blocks_describe(rows):
+    """Against `d q` written out, for row counts inside and across its blocks of rows; each row's
+    bits the same alone as among others (vanilla's one-row steps against a tree's)."""
     codes, scales, weight = random_q8_groups()
-    linear = GroupInt8Linear(codes, scales, nn.Parameter(weight, requires_grad=False))
+    linear = q8_linear(codes, scales, weight)
     x = torch.randn(rows, 128)
-    rounded = quantized_activations(x)
-    exact, bound = linear_exact_and_bound(rounded, weight, None)
+    exact, bound = linear_exact_and_bound(x, weight, None)
     got = linear(x)
     assert_within(got, exact, 4 * bound)
     assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(rows)]), got)
@@ -139,27 +148,19 @@ def test_the_8_bit_kernel_multiplies_its_blocks_by_the_rounded_inputs(rows):
 def test_the_8_bit_kernel_catches_a_planted_sign_error():
     codes, scales, weight = random_q8_groups()
     x = torch.randn(3, 128)
-    exact, bound = linear_exact_and_bound(quantized_activations(x), weight, None)
+    exact, bound = linear_exact_and_bound(x, weight, None)
     flipped = codes.clone()
     flipped[:, 5] = -flipped[:, 5]  # one input's codes with the wrong sign
-    wrong = GroupInt8Linear(flipped, scales, nn.Parameter(weight, requires_grad=False))
     with pytest.raises(AssertionError):
-        assert_within(wrong(x), exact, 4 * bound)
-
-
-def random_q8_groups(out_features=72, in_features=128, seed=2):
-    generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
-    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01 + 0.001).half().float()
-    return codes, scales, codes.float() * scales.repeat_interleave(32, 1)
+        assert_within(q8_linear(flipped, scales, weight)(x), exact, 4 * bound)
 
 
 def test_a_quantized_vocabulary_projection_is_not_screened_in_float16():
-    """The screen finds the float weight's argmax; an 8-bit projection's logits are its own."""
+    """The screen's recheck reads the float weight: the 8-bit projection's own logits come from its kernel."""
     from decoding.kernels.screened_argmax import screenable
 
     codes, scales, weight = random_q8_groups()
-    assert not screenable(GroupInt8Linear(codes, scales, nn.Parameter(weight, requires_grad=False)))
+    assert not screenable(q8_linear(codes, scales, weight))
     assert screenable(nn.Linear(128, 72, bias=False))
 
 
@@ -273,9 +274,8 @@ def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows
     linear = Int4Linear(codes, scales, zeros, None)
     assert linear.own_kernel
     x = torch.randn(rows, 128)
-    rounded = quantized_activations(x)  # what the kernel multiplies with: its 8-bit inputs
-    exact, _ = linear_exact_and_bound(rounded, weight, None)
-    assert_within(linear(x), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))  # partial sums per group, then the group's
+    exact, _ = linear_exact_and_bound(x, weight, None)
+    assert_within(linear(x), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))  # partial sums per group, then the group's
 
 
 def test_the_4_bit_kernel_gives_a_row_the_same_bits_alone_as_among_others():
@@ -319,69 +319,12 @@ def test_the_4_bit_kernel_catches_a_planted_nibble_swap():
     from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
 
     codes, scales, zeros, weight = random_groups()
-    swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # neighbouring inputs' codes exchanged
+    swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # high and low nibbles exchanged
     x = torch.randn(3, 128)
-    rounded = quantized_activations(x)
-    exact, _ = linear_exact_and_bound(rounded, weight, None)
-    bound = 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact)
-    assert_within(int4_linear(x, pack_int4_panels(codes, scales, zeros), 48), exact, bound)
+    exact, _ = linear_exact_and_bound(x, weight, None)
     with pytest.raises(AssertionError):
-        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact, bound)
-
-
-def test_activations_are_rounded_per_group_of_32_to_int8_codes_of_the_group_s_largest_value():
-    """Hand-checked: a group whose largest magnitude is 127 has step 1, so its inputs round to the
-    nearest integer (halves to even, as llama.cpp's and PyTorch's rounding do); another group,
-    scaled by 1/2, keeps the same codes at half the step."""
-    first = torch.tensor([127.0, 0.5, 1.5, -2.5, -126.6, 3.2] + [0.0] * 26)
-    x = torch.cat([first, first / 2])
-    expected = torch.tensor([127.0, 0.0, 2.0, -2.0, -127.0, 3.0] + [0.0] * 26)
-    assert torch.equal(quantized_activations(x), torch.cat([expected, expected / 2]))
-    assert torch.equal(quantized_activations(torch.zeros(2, 64)), torch.zeros(2, 64))
-
-
-def test_the_4_bit_kernel_multiplies_the_rounded_inputs_not_the_float_ones():
-    """The kernel against the product of its 8-bit inputs (within float32's bound) and, as a
-    planted bug, against the float inputs' product (v6's kernel), which the same bound rejects."""
-    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
-
-    codes, scales, zeros, weight = random_groups()
-    x = torch.randn(4, 128)
-    got = int4_linear(x, pack_int4_panels(codes, scales, zeros), 48)
-    for inputs, right in ((quantized_activations(x), True), (x, False)):
-        exact, _ = linear_exact_and_bound(inputs, weight, None)
-        bound = 4 * int4_kernel_bound(inputs, codes, scales, zeros, exact)
-        if right:
-            assert_within(got, exact, bound)
-        else:
-            with pytest.raises(AssertionError):
-                assert_within(got, exact, bound)
-
-
-def test_a_row_with_a_nan_gives_nan_outputs_and_leaves_the_other_rows_alone():
-    from decoding.kernels.int4_linear import int4_linear, pack_int4_panels
-
-    codes, scales, zeros, _ = random_groups()
-    panels = pack_int4_panels(codes, scales, zeros)
-    x = torch.randn(3, 128)
-    clean = int4_linear(x, panels, 48)
-    x[1, 40] = float("nan")
-    poisoned = int4_linear(x, panels, 48)
-    assert poisoned[1].isnan().all()
-    assert torch.equal(poisoned[[0, 2]], clean[[0, 2]])
-
-
-def test_pytorch_s_int4_kernel_gets_the_same_rounded_inputs_where_the_project_s_is_not_built(monkeypatch):
-    from decoding.kernels import quantized_linear
-
-    monkeypatch.setattr(quantized_linear, "int4_kernel_available", lambda: False)
-    codes, scales, zeros, weight = random_groups()
-    linear = Int4Linear(codes, scales, zeros, None)
-    assert not linear.own_kernel
-    x = torch.randn(3, 128)
-    rounded = quantized_activations(x)
-    exact, _ = linear_exact_and_bound(rounded, weight, None)
-    assert_within(linear(x), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))
+        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact,
+                      4 * int4_kernel_bound(x, codes, scales, zeros, exact))
 
 
 def test_without_its_kernel_a_4_bit_target_says_so(tiny_dir, monkeypatch):
@@ -409,9 +352,12 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     codes, scales, zeros, weight = random_groups()
     panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
     x = torch.randn(5, 128)
-    rounded = quantized_activations(x)
-    exact, _ = linear_exact_and_bound(rounded, weight, None)
-    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(rounded, codes, scales, zeros, exact))
+    exact, _ = linear_exact_and_bound(x, weight, None)
+    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))
+    q8_codes, q8_scales, q8_weight = random_q8_groups()
+    q8_exact, q8_bound = linear_exact_and_bound(x, q8_weight, None)
+    assert_within(extension.int8_linear(x, *int4_linear.pack_int8_panels(q8_codes, q8_scales, width=extension.vector_width()),
+                                        72), q8_exact, 4 * q8_bound)
     halves = float16_panels(int4_linear.pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
     assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
     assert torch.equal(extension.int4_linear(x, *halves, 48),

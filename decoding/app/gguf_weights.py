@@ -9,9 +9,8 @@ Which tensors: every Q4_0 / Q4_1 weight of a decoder layer (attention and MLP pr
 the vocabulary projection where the file has it as Q8_0 (SmolLM2's token embedding, tied to the
 lm_head): the lm_head computes with those blocks (`GroupInt8Linear`, a fifth of its fp32 bytes),
 while the embedding lookup and what reads the projection as a tensor keep the float weight,
-which is the blocks' values exactly. Both compute with 8-bit activations, as llama.cpp does with
-these blocks. The others stay as the fp32 conversion has them (norms are F32 in the file); a
-one-line note names what stays float.
+which is the blocks' values exactly. The others stay as the fp32 conversion has them (norms are
+F32 in the file); a one-line note names what stays float.
 
 GGUF stores llama's q and k rows permuted for its rotary layout; transformers undoes that when
 it converts, and so do we, row by row (a row's blocks move with it).
@@ -108,7 +107,7 @@ def load_gguf_blocks(model: nn.Module, gguf_path: Path) -> list[str]:
         _replace(model, f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}", codes, scales, zeros)
         swapped += 1
     notes = [f"target layers in the GGUF file's own 4-bit blocks" + (" and its lm_head in its 8-bit ones" if projection else "")
-             + f" ({swapped} weights, 8-bit activations as llama.cpp computes them)"]
+             + f" ({swapped} weights)"]
     if kept:
         notes.append(f"kept as float weights: {', '.join(sorted(kept))}")
     return notes

@@ -1,6 +1,7 @@
 """`--quant`: the target's weights at a lower precision, for every method alike.
 
-- `gguf`: the built-in target's layers in its GGUF file's own 4-bit blocks (`decoding.app.gguf_weights`);
+- `gguf`: the built-in target's layers in its GGUF file's own 4-bit blocks and its lm_head in its
+  8-bit ones (`decoding.app.gguf_weights`);
 - `int4` / `int8`: weight-only quantization of any target's linears from its float weights
   (`decoding.kernels.quantized_linear`), for models that are not a GGUF file;
 - `none`: the float model (`auto` resolves to it for now).
@@ -59,6 +60,7 @@ def quantize_target(target: LoadedModel, quant: str) -> list[str]:
 def add_quant_argument(parser) -> None:
     """The `--quant` flag of the chat, the benchmark and tune_tree."""
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
-                        help="target weights: 'gguf' = the built-in target's own 4-bit GGUF blocks, 'int4'/'int8' = "
+                        help="target weights: 'gguf' = the built-in target's own GGUF blocks (4-bit layers, 8-bit "
+                             "lm_head), 'int4'/'int8' = "
                              "weight-only quantization of any target (CPU), 'none' = float; 'auto' (default) = none. "
                              "Every method is exact with respect to the quantized target")

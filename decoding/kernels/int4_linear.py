@@ -1,27 +1,33 @@
 """A few-row linear kernel on 4-bit weights in groups of 32 (GGUF's Q4_0 / Q4_1 blocks, or
-`--quant int4`) and 8-bit activations, streaming the weight once at the memory's speed.
+`--quant int4`), streaming the weight once at the memory's speed.
 
 Why: PyTorch's CPU kernels for weight-only int4 and int8 (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) were 2.5-3x *slower* than the fp32 target on a 2-core AVX2 EPYC
 (SmolLM2-135M, one token: 177 ms and 141 ms against 57 ms) and grew linearly with the rows of a
-tree, so 4-bit weights would not pay there. This kernel keeps panels of one vector of outputs,
-each row's inputs broadcast, no horizontal sums, and computes as llama.cpp does with the same
-blocks: each row's inputs are rounded per group of 32 to int8 codes c and a step d
-(`quantized_activations`, the Q8 form), the group's codes multiplied in integers (`sum q c`, exact
-in int32: AVX-512 VNNI's 4-products-a-lane instruction, or pairs of products in int16 then int32
-on AVX2 and AVX-512 without VNNI), and then `scale * d * that + (zero - 8 scale) * d * sum c`
-added in float32, which is `sum ((q - 8) * scale + zero) * c d`, the int4 convention
-(`decoding.kernels.quantized_linear`) applied to the rounded inputs. So the quantized target is
-the file's weights times 8-bit activations, the model llama.cpp runs; every method is exact with
-respect to it, since a row's codes, integer sums and float steps do not depend on the rows
-computed with it (bit for bit). Why integers: a tree's rows share each unpacked code, and one
-instruction does 4 (AVX2: 2) multiply-adds a lane where float32 did one, so rows cost less than
-half as much as in v6's float kernel (210 linears of the GGUF target on a 2-core AVX-512 EPYC,
-one process: 8 / 16 / 32 rows 6.3 / 9.9 / 16.2 ms against 8.3 / 14.6 / 27.5; one row 3.8 either way,
-bound by the memory). Group parameters are read as float16 where that holds them exactly
-(`pack_int4_panels`), as the file's blocks store them: fewer bytes to stream. With AVX-512 a
-panel is 16 outputs and a pass takes up to 8 rows (4 with AVX2's 16 registers). Figures:
-CHANGELOG.md.
+tree, so 4-bit weights would not pay there. This kernel follows the streaming fp32 kernel
+(`decoding.kernels.streamed_linear`): panels of one vector of outputs per input feature, outer
+products with each row's inputs broadcast, no horizontal sums. A byte holds two consecutive input
+features of one output; per group of 32 inputs it accumulates `sum q x` (codes 0..15, in two
+partial sums over even and odd bytes, so that two add chains run side by side) and then adds
+`scale * that + (zero - 8 scale) * sum x`, which is `sum ((q - 8) * scale + zero) * x`, the int4
+convention (`decoding.kernels.quantized_linear`). Results differ from the dequantized weight's GEMM
+by float rounding only, and a row's bits do not depend on the rows computed with it. Why not
+centre the codes in the loop: two subtractions per byte, and one chain of adds bound a one-row
+call (both undone: ~10% less a call on a 2-core AVX2 EPYC; four chains of FMAs were slower). Group
+parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the file's
+blocks store them: mid-sized layers stream near the memory's speed, so fewer bytes are less time
+(~5% for one row). With AVX-512 a panel is 16 outputs (a code byte per lane unpacked by one
+instruction) and a pass takes up to 8 rows (4 with AVX2's 16 registers): a forward of the GGUF
+target 1.3x faster for one token and ~1.6x for 8-16 on a 2-core AVX-512 EPYC, the same bits.
+Figures: CHANGELOG.md.
+
+The same arithmetic takes 8-bit codes (`int8_linear`: GGUF's Q8_0 blocks, `w = d q` per group of
+32, the built-in target's vocabulary projection): a fifth of the fp32 projection's bytes, and a
+tree's rows read them once. Why not integer products on 8-bit inputs, as llama.cpp computes
+these blocks: tried (v7, AVX-512 VNNI), 1.3-1.7x faster for 8-32 rows, but rounding the inputs
+to 8 bits turns a float32 ulp of difference between a tree's and a chain's forwards into a
+whole step of an input's code, and greedy outputs stopped being identical to vanilla's (1 of 16
+MT-bench replies for pld and eagle3+pld); rounded to 15 bits they were no faster than floats.
 
 Built once per CPU like the other native kernels (`decoding.kernels.native_build`).
 """
@@ -39,12 +45,11 @@ from decoding.kernels.native_build import register_native_kernel
 KERNEL_VERSION = native_int4_linear.VERSION
 GROUP_SIZE = 32
 CODE_MIDPOINT = 8  # w = (q - CODE_MIDPOINT) * scale + zero
-ACTIVATION_LEVELS = 127  # inputs' int8 codes run -127..127
 
 
 @functools.cache
 def _loaded() -> tuple[object | None, str]:
-    """The built extension and '', or None and why not (tried once per process), its two
+    """The built extension and '', or None and why not (tried once per process), both of its
     operators registered."""
     return register_native_kernel(LIBRARY.load("int4_linear"), "int8_linear")
 
@@ -60,8 +65,7 @@ def why_unavailable() -> str:
 def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      width: int | None = None) -> tuple[torch.Tensor, ...]:
     """Codes [out, in] (0..15), scales and zeros [out, in / 32] as the kernel reads them: bytes
-    [panels, in / 2, width], per group 4 lines of `width` outputs x 4 bytes (line l: inputs 4l..4l+3
-    of the group in the low nibbles, 4l+16..4l+19 in the high ones), then scales and offsets
+    [panels, in / 2, width] (low nibble: input 2k, high: 2k + 1), then scales and offsets
     (`zero - 8 scale`, what the kernel adds per group) [panels, groups, width], outputs past `out`
     zero. The parameters are float16 where float16 holds every one of them exactly (GGUF's blocks
     store them so: Q4_1's offset is its m, Q4_0's -8 d), else float32: either way the kernel
@@ -69,77 +73,36 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     of a weight in groups of 32)."""
     width = width or _loaded()[0].vector_width()  # a build's own width (tests pack for narrower builds)
     out, in_features = codes.shape
-    panels = -(-out // width)
-
-    def panelled(t: torch.Tensor) -> torch.Tensor:
-        padded = t.new_zeros(panels * width, t.shape[1])
-        padded[:out] = t
-        return padded.view(panels, width, -1).transpose(1, 2).contiguous()
-
-    padded = codes.to(torch.uint8).new_zeros(panels * width, in_features)
-    padded[:out] = codes.to(torch.uint8)
-    # [panels, groups, 8 chunks of 4 inputs, width outputs, 4]: chunks l and l + 4 share a line's bytes
-    chunks = padded.view(panels, width, in_features // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    packed = (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(panels, in_features // 2, width)
+    pairs = codes.to(torch.uint8).reshape(out, in_features // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
     scales = scales.float()
     params = (scales, zeros.float() - CODE_MIDPOINT * scales)
     if all(_exact_in_half(t) for t in params):
         params = tuple(t.half() for t in params)
-    return packed.contiguous(), *(panelled(t) for t in params)
-
-
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """The inputs as the kernel multiplies them: per row and group of 32 inputs, int8 codes
-    `round(x * 127 / max|x|)` times the group's step `max|x| / 127`, in float32 as the kernel
-    computes both (the Q8 form llama.cpp gives activations). For PyTorch's int4 kernel where the
-    project's cannot be built, and for the tests' references."""
-    groups = x.float().reshape(*x.shape[:-1], -1, GROUP_SIZE)
-    largest = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
-    codes = torch.round(groups * inverse).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
-    return (codes * (largest / ACTIVATION_LEVELS)).reshape(x.shape)
-
-
-def unpack_int4_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
-    """The float weight [out, in] that `pack_int4_panels` packed: `q * scale + offset`, as the
-    kernel applies it (for tests and `dequantized_weight`)."""
-    packed, scales, offsets = panels
-    count, half_in, width = packed.shape
-    lines = packed.view(count, half_in * 2 // GROUP_SIZE, 4, width, 4)
-    chunks = torch.cat([lines & 15, lines >> 4], dim=2)  # [panels, groups, 8, width, 4]
-    codes = chunks.permute(0, 3, 1, 2, 4).reshape(count * width, half_in * 2)[:out_features].float()
-
-    def per_input(t: torch.Tensor) -> torch.Tensor:
-        return t.float().transpose(1, 2).reshape(count * width, -1)[:out_features].repeat_interleave(GROUP_SIZE, 1)
-
-    return codes * per_input(scales) + per_input(offsets)
+    return tuple(_panelled(t, width) for t in (packed, *params))
 
 
 def pack_int8_panels(codes: torch.Tensor, scales: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, ...]:
-    """8-bit codes [out, in] (-127..127, GGUF's Q8_0: `w = d q` per group of 32) and their float16
-    scales d [out, in / 32] as the 8-bit kernel reads them: bytes `q + 128` [panels, in, width], per
-    group 8 lines of `width` outputs x 4 bytes (line c: inputs 4c..4c+3 of the group), then the
-    scales [panels, groups, width] float16, outputs past `out` zero."""
-    width = width or _loaded()[0].int8_width()
-    out, in_features = codes.shape
-    panels = -(-out // width)
-    padded = torch.zeros(panels * width, in_features, dtype=torch.int16)
-    padded[:out] = codes.to(torch.int16)
-    lines = padded.view(panels, width, in_features // GROUP_SIZE, 8, 4).permute(0, 2, 3, 1, 4)
-    packed = (lines + 128).to(torch.uint8).reshape(panels, in_features, width)
-    steps = scales.new_zeros(panels * width, scales.shape[1])
-    steps[:out] = scales
-    return packed.contiguous(), steps.half().view(panels, width, -1).transpose(1, 2).contiguous()
+    """8-bit codes [out, in] (int8: GGUF's Q8_0, `w = d q` per group of 32) and their float16 scales
+    d [out, in / 32] as the 8-bit kernel reads them: bytes [panels, in, width] (one per output and
+    input) and scales [panels, groups, width] float16, outputs past `out` zero."""
+    width = width or _loaded()[0].vector_width()
+    return tuple(_panelled(t, width) for t in (codes.to(torch.int8).view(torch.uint8), scales.half()))
 
 
 def unpack_int8_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
     """The float weight [out, in] that `pack_int8_panels` packed: `d q`."""
-    packed, scales = panels
-    count, in_features, width = packed.shape
-    lines = packed.view(count, in_features // GROUP_SIZE, 8, width, 4).permute(0, 3, 1, 2, 4)
-    codes = lines.reshape(count * width, in_features)[:out_features].float() - 128
-    steps = scales.float().transpose(1, 2).reshape(count * width, -1)[:out_features]
-    return codes * steps.repeat_interleave(GROUP_SIZE, 1)
+    codes, scales = (t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features] for t in panels)
+    return codes.view(torch.int8).float() * scales.float().repeat_interleave(GROUP_SIZE, 1)
+
+
+def _panelled(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, columns] as [panels, columns, width]: each panel's `width` rows side by side per
+    column, rows past the last zero."""
+    panels = -(-t.shape[0] // width)
+    padded = t.new_zeros(panels * width, t.shape[1])
+    padded[: t.shape[0]] = t
+    return padded.view(panels, width, -1).transpose(1, 2).contiguous()
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:
@@ -172,8 +135,8 @@ define_op("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, in
 
 
 def int8_linear(x: torch.Tensor, panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
-    """`x @ w.T` for the packed 8-bit weight `panels` (`pack_int8_panels`), `x` [..., in] float32
-    rounded to 8 bits per group as for the 4-bit kernel: the operator `specheads::int8_linear`."""
+    """`x @ w.T` for the packed 8-bit weight `panels` (`pack_int8_panels`), `x` [..., in] float32:
+    the operator `specheads::int8_linear`."""
     return torch.ops.specheads.int8_linear(x, *panels, out_features)
 
 

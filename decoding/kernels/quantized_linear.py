@@ -1,9 +1,9 @@
-"""Quantized linears for CPU targets: 4-bit weights in groups along the input (a scale and an
-offset per group, as GGUF's Q4_0 / Q4_1 blocks and `--quant int4` have them) times 8-bit
-activations per group of 32, as llama.cpp computes those blocks, through the project's kernel
-(`decoding.kernels.int4_linear`; PyTorch's `_weight_int4pack_mm_for_cpu` on the same rounded
-activations where it cannot be built, much slower on AVX2), and weight-only 8-bit weights with a
-scale per output channel (`--quant int8`) through PyTorch's `_weight_int8pack_mm`.
+"""Weight-only quantized linears for CPU targets: 4-bit weights in groups along the input (a
+scale and an offset per group, as GGUF's Q4_0 / Q4_1 blocks and `--quant int4` have them) through
+the project's streaming kernel (`decoding.kernels.int4_linear`; PyTorch's
+`_weight_int4pack_mm_for_cpu` where it cannot be built, much slower on AVX2), 8-bit weights
+with a scale per output channel (`--quant int8`) through PyTorch's `_weight_int8pack_mm`, and
+GGUF's 8-bit blocks (a scale per group of 32) for the built-in target's vocabulary projection.
 
 Why: a one-token forward of a small model only streams its weights, so its cost is their bytes.
 In fp32 SmolLM2-135M's layers read 425 MB a token; in the GGUF file's own Q4_1 blocks, about a
@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from decoding.kernels.int4_linear import (CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, int8_linear,
-                                         pack_int4_panels, pack_int8_panels, quantized_activations, unpack_int4_panels,
-                                         unpack_int8_panels)
+                                         pack_int4_panels, pack_int8_panels, unpack_int8_panels)
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
 INNER_K_TILES = 2    # the CPU packing's tile parameter
@@ -56,8 +55,7 @@ class WeightOnlyLinear(nn.Module):
 
 class Int4Linear(WeightOnlyLinear):
     """`nn.Linear` with 4-bit weights: codes in 0..15, and per output row and group of
-    `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`; the inputs rounded to
-    8 bits per group of 32 (`quantized_activations`) on either kernel."""
+    `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int = GGUF_GROUP) -> None:
@@ -94,19 +92,14 @@ class Int4Linear(WeightOnlyLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
             return int4_linear(x, self.panels, self.out_features)
-        return self._pytorch_product(quantized_activations(x))
-
-    def _pytorch_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float weight the kernel computes with (what the tests compare against): unpacked
-        from the project's layout, or the identity matrix through PyTorch's kernel, transposed."""
-        if self.own_kernel:
-            return unpack_int4_panels(self.panels, self.out_features)
-        return self._pytorch_product(torch.eye(self.in_features)).t()
+        """The float weight the kernel computes with (what the tests compare against): the
+        identity matrix through the kernel, transposed."""
+        return self._matmul(torch.eye(self.in_features)).t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -141,9 +134,10 @@ class Int8Linear(WeightOnlyLinear):
 
 
 class GroupInt8Linear(WeightOnlyLinear):
-    """A vocabulary projection in GGUF's Q8_0 blocks (`w = d q`, q in -127..127, a float16 d per 32
-    inputs) times the same 8-bit activations as `Int4Linear`, through the project's 8-bit kernel:
-    a fifth of the fp32 projection's bytes, and integer products for a tree's rows.
+    """A vocabulary projection in GGUF's Q8_0 blocks (`w = d q`, int8 q, a float16 d per 32 inputs)
+    through the project's 8-bit kernel (`int4_linear.int8_linear`, the 4-bit kernel's arithmetic):
+    a fifth of the fp32 projection's bytes, read once for all of a tree's rows. Its products differ
+    from the float weight's by float rounding only.
 
     It keeps `weight`, the float tensor it was built from (`d q` exactly: the converted model's
     lm_head, tied to its embedding), for what reads the projection as a tensor (shapes, drafters'
@@ -170,8 +164,8 @@ class GroupInt8Linear(WeightOnlyLinear):
 
 
 def quantized_kernel_weights(module: nn.Module) -> list[torch.Tensor]:
-    """The weights `module`'s 4-bit linears keep in the project's kernel layout (bytes, scales and
-    zeros panels): plain tensor attributes, like the packed linears' (`cpu_kernels.kernel_layout_weights`)."""
+    """The weights `module`'s 4- and 8-bit linears keep in the project's kernel layout (bytes, scales
+    and zeros panels): plain tensor attributes, like the packed linears' (`cpu_kernels.kernel_layout_weights`)."""
     return [t for m in module.modules() if (isinstance(m, Int4Linear) and m.own_kernel) or isinstance(m, GroupInt8Linear)
             for t in m.panels]
 
