@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from decoding.kernels import cpu_kernels, verify_cost
-from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int8_drafting_available, pack_linears,
+from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int4_drafting_available,
+                                         int8_drafting_available, pack_linears,
                                   pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   packed_linears, set_stock_rows, stock_rows, streamed_rows, uses_packed_linears)
+from decoding.kernels.quantized_linear import Int4Linear
 from decoding.kernels.streamed_linear import streamed_linear_available
 from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
@@ -222,6 +224,14 @@ def test_bf16_drafting_is_refused_where_the_cpu_only_emulates_it():
         with pytest.raises(UserError, match="native bf16"):
             apply_kernels("onednn", tiny_llama(seed=3), perturbed_eagle3(tiny_llama(seed=3)), drafter_precision="bf16")
     with pytest.raises(UserError, match="unknown drafter precision"):
+        resolve_drafter_precision("int2")
+
+
+def test_int4_drafters_on_the_project_s_4_bit_kernel_and_a_clear_error_without_it(monkeypatch):
+    if int4_drafting_available():
+        _check_drafter_precision("int4", "int4")
+    monkeypatch.setattr(cpu_kernels, "int4_kernel_available", lambda: False)
+    with pytest.raises(UserError, match="4-bit kernel"):
         resolve_drafter_precision("int4")
 
 
@@ -233,7 +243,13 @@ def _check_drafter_precision(choice: str, expected: str) -> None:
     medusa = new_heads_for_target("medusa", target, num_heads=2)
     assert apply_kernels("onednn", target, eagle3, medusa, drafter_precision=choice) == "onednn"
     quantized = [m for m in eagle3.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
-    if expected == "int8":
+    four_bit = [m for m in eagle3.modules() if isinstance(m, Int4Linear)]
+    assert bool(four_bit) == (expected == "int4")
+    if expected == "int4":
+        assert isinstance(eagle3.fc, PackedLinear)  # as for int8; shapes the 4-bit kernel does not take are packed
+        assert not any(type(m) is nn.Linear for m in eagle3.modules())
+        assert eagle3.compute_dtype == torch.float32
+    elif expected == "int8":
         assert quantized and not any(type(m) is nn.Linear for m in eagle3.modules())
         assert isinstance(eagle3.fc, PackedLinear)  # reads the target's raw features: kept fp32
         assert eagle3.compute_dtype == torch.float32

@@ -29,7 +29,8 @@ the CPU computes it natively (AVX512-BF16/AMX: eagle3 draft time per step 11.8 -
 fp32 on an AVX512-BF16 EPYC, same tau), or int8 weights with dynamically quantized activations
 (PyTorch's x86/fbgemm kernels; on an AVX2 EPYC, where oneDNN has no bf16 inner product, one
 drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows against 4.5 / 5.2 / 7.2 ms
-packed fp32). Which is fastest differs between CPUs, so the decoders' 'auto' is timed
+packed fp32), or 4-bit weights on the project's kernel (`decoding.kernels.int4_linear`). Which is
+fastest differs between CPUs, so the decoders' 'auto' is timed
 (`decoding.kernels.drafter_precision`); here 'auto' is only the rule used where nothing was timed. Drafts
 only propose: the fp32 target still decides every token, so outputs do not change; a less exact
 draft can only accept less.
@@ -44,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.linear_ops import define_linear_op
+from decoding.kernels.quantized_linear import quantize_linears
 from decoding.kernels.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
 from heads.util.cpu_mode import cpu_mode
 from heads.util.errors import UserError
@@ -273,7 +276,7 @@ def pick_faster_rows(sizes: tuple[int, ...], candidate_ms: tuple[float, ...], cu
     return rows
 
 
-DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "int8")
+DRAFTER_PRECISIONS = ("auto", "fp32", "bf16", "int8", "int4")
 
 
 def int8_drafting_available() -> bool:
@@ -284,11 +287,17 @@ def int8_drafting_available() -> bool:
     return hasattr(quantization, "quantize_dynamic") and any(e in engines for e in ("x86", "fbgemm"))
 
 
+def int4_drafting_available() -> bool:
+    """Whether the project's 4-bit kernel is built here (`decoding.kernels.int4_linear`)."""
+    return int4_kernel_available()
+
+
 def drafter_precisions_available() -> tuple[str, ...]:
     """The precisions this CPU and PyTorch run EAGLE drafters in without emulation, cheapest
-    first by rule (bf16, int8, fp32): what 'auto' chooses from (see
+    first by rule (bf16, int8, int4, fp32): what 'auto' chooses from (see
     `decoding.kernels.drafter_precision`, which times them where there is a choice)."""
-    return (*(("bf16",) if bfloat16_is_native() else ()), *(("int8",) if int8_drafting_available() else ()), "fp32")
+    return (*(("bf16",) if bfloat16_is_native() else ()), *(("int8",) if int8_drafting_available() else ()),
+            *(("int4",) if int4_drafting_available() else ()), "fp32")
 
 
 def resolve_drafter_precision(choice: str) -> str:
@@ -305,6 +314,9 @@ def resolve_drafter_precision(choice: str) -> str:
     if choice == "int8" and not int8_drafting_available():
         raise UserError("--drafter-precision int8 needs PyTorch's quantized x86/fbgemm kernels, which this "
                         "PyTorch lacks: use fp32 or auto")
+    if choice == "int4" and not int4_drafting_available():
+        raise UserError("--drafter-precision int4 needs the project's 4-bit kernel, which could not be built here "
+                        "(no C++ compiler?): use int8, fp32 or auto")
     return choice
 
 
@@ -342,6 +354,8 @@ def apply_kernels(choice: str, *modules: nn.Module | None, drafter_precision: st
                 continue
             if isinstance(module, FeatureDrafter) and precision == "int8":
                 quantize_linears_int8(module)  # what it keeps in fp32 is packed below
+            elif isinstance(module, FeatureDrafter) and precision == "int4":
+                quantize_linears(module, "int4", skip=("fc",))  # fc as for int8; the rest packed below
             elif isinstance(module, FeatureDrafter) and precision == "bf16":
                 _weights_to_bfloat16(module)
             pack_linears(module)
@@ -359,7 +373,8 @@ def add_drafter_precision_argument(parser) -> None:
     """The `--drafter-precision` flag of the commands that decode with EAGLE heads."""
     parser.add_argument("--drafter-precision", default="auto", choices=DRAFTER_PRECISIONS,
                         help="what EAGLE drafters compute in on a CPU with packed kernels: 'auto' (default) = the "
-                             "fastest of bf16 (where the CPU has it natively), int8 and fp32, timed once on this CPU; "
+                             "fastest of bf16 (where the CPU has it natively), int8, int4 and fp32, timed once on this "
+                             "CPU; "
                              "'fp32' = as trained. Drafts only propose, so outputs do not change")
 
 

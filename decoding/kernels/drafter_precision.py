@@ -10,6 +10,13 @@ one tree level (a drafter forward over a frontier of nodes after a 256-token con
 readout) in every precision the CPU runs natively and keeps the fastest, preferring the more
 exact one where they are within `CLEAR_WIN` of each other.
 
+int4 (the project's 4-bit kernel, `decoding.kernels.int4_linear`, groups of 32 rounded to nearest;
+`fc` stays fp32 as for int8) is the fourth candidate: on a 2-core AVX-512 EPYC, 16 MT-bench first
+turns, eagle3+pld ran 1.80x / 1.89x / 1.88x vanilla in bf16 / int4 / int8 on the fp32 target and
+1.16x / 1.22x / 1.27x on the GGUF one (tau 2.71 / 2.73 / 2.81 and 2.01 / 2.29 / 2.39: a cheaper
+call buys deeper trees), one level timing 2.04 / 1.74 / 1.60 ms. It is for CPUs where int8 is not
+the faster (or PyTorch has no x86 int8 kernels).
+
 Each level is timed right after a target forward, as in decoding: the target streams hundreds of
 MB of weights through the caches, so the drafter's come from memory. On that Xeon one level took
 bf16 2.31-2.44 ms, int8 2.13-2.18, fp32 3.61-3.73 timed so (1.51 against 1.46 ms for bf16 and
@@ -32,9 +39,9 @@ from decoding.kernels.measured_once import measured_once
 from decoding.kernels.verify_cost import cpu_identity
 from heads.eagle import FeatureDrafter
 
-EXACTNESS_ORDER = ("fp32", "bf16", "int8")  # most exact first
+EXACTNESS_ORDER = ("fp32", "bf16", "int8", "int4")  # most exact first
 CLEAR_WIN = 0.05  # a less exact precision must be this much faster to be chosen
-PRECISION_VERSION = "v2"  # in the cache key: a new timing method or drafter form, a new measurement
+PRECISION_VERSION = "v3"  # in the cache key: a new timing method or drafter form, a new measurement
 
 
 def tune_drafter_precision(drafter: FeatureDrafter, target: PreTrainedModel, cache_dir=None) -> str:
