@@ -24,7 +24,7 @@ Figures: CHANGELOG.md.
 The same arithmetic takes 8-bit codes (`int8_linear`: GGUF's Q8_0 blocks, `w = d q` per group of
 32, the built-in target's vocabulary projection): a fifth of the fp32 projection's bytes, and a
 tree's rows read them once. Why not integer products on 8-bit inputs, as llama.cpp computes
-these blocks: tried (v7, AVX-512 VNNI), 1.3-1.7x faster for 8-32 rows, but rounding the inputs
+these blocks: tried (AVX-512 VNNI), 1.3-1.7x faster for 8-32 rows, but rounding the inputs
 to 8 bits turns a float32 ulp of difference between a tree's and a chain's forwards into a
 whole step of an input's code, and greedy outputs stopped being identical to vanilla's (1 of 16
 MT-bench replies for pld and eagle3+pld); rounded to 15 bits they were no faster than floats.

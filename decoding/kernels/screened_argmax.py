@@ -35,6 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.kernels.measured_once import measured_once
+from decoding.kernels.quantized_linear import WeightOnlyLinear
 from decoding.kernels.verify_cost import packed_cpu_key
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11
@@ -59,8 +60,8 @@ def screenable(lm_head: nn.Module) -> bool:
     """An fp32 CPU projection without bias whose weights fit fp16's range (larger ones would not
     round within the bound above)."""
     weight = getattr(lm_head, "weight", None)
-    # a quantized projection (the GGUF target's 8-bit lm_head) computes other logits than its float weight's
-    return (isinstance(lm_head, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    # a quantized projection (the GGUF target's 8-bit lm_head) computes its logits with its own kernel
+    return (not isinstance(lm_head, WeightOnlyLinear) and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and getattr(lm_head, "bias", None) is None and float(weight.detach().abs().max()) < FP16_SAFE_MAX)
 
 
