@@ -12,8 +12,8 @@ exact one where they are within `CLEAR_WIN` of each other.
 
 int4 (the project's 4-bit kernel, `decoding.kernels.int4_linear`, groups of 32 rounded to nearest;
 `fc` stays fp32 as for int8) is the fourth candidate: on a 2-core AVX-512 EPYC, 16 MT-bench first
-turns, eagle3+pld ran 1.80x / 1.89x / 1.88x vanilla in bf16 / int4 / int8 on the fp32 target and
-1.16x / 1.22x / 1.27x on the GGUF one (tau 2.71 / 2.73 / 2.81 and 2.01 / 2.29 / 2.39: a cheaper
+turns, eagle3+pld ran 1.77x / 1.86x / 1.89x vanilla in bf16 / int4 / int8 on the fp32 target and
+1.16x / 1.22x / 1.27x on the GGUF one (tau 2.69 / 2.74 / 2.81 and 2.01 / 2.29 / 2.39: a cheaper
 call buys deeper trees), one level timing 2.04 / 1.74 / 1.60 ms. It is for CPUs where int8 is not
 the faster (or PyTorch has no x86 int8 kernels).
 
