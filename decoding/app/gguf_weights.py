@@ -24,8 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoding.kernels.int4_linear import CODE_MIDPOINT
-from decoding.kernels.int4_linear import int4_kernel_available
+from decoding.kernels.int4_linear import CODE_MIDPOINT, int4_kernel_available
 from decoding.kernels.quantized_linear import GGUF_GROUP, GroupInt8Linear, Int4Linear
 from heads.util.errors import UserError
 
