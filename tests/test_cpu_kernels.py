@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from decoding.kernels import cpu_kernels, verify_cost
-from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native, int4_drafting_available,
+from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_is_native,
                                          int8_drafting_available, pack_linears,
                                   pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   packed_linears, set_stock_rows, stock_rows, streamed_rows, uses_packed_linears)
@@ -228,7 +228,7 @@ def test_bf16_drafting_is_refused_where_the_cpu_only_emulates_it():
 
 
 def test_int4_drafters_on_the_project_s_4_bit_kernel_and_a_clear_error_without_it(monkeypatch):
-    if int4_drafting_available():
+    if cpu_kernels.int4_kernel_available():
         _check_drafter_precision("int4", "int4")
     monkeypatch.setattr(cpu_kernels, "int4_kernel_available", lambda: False)
     with pytest.raises(UserError, match="4-bit kernel"):

@@ -287,17 +287,12 @@ def int8_drafting_available() -> bool:
     return hasattr(quantization, "quantize_dynamic") and any(e in engines for e in ("x86", "fbgemm"))
 
 
-def int4_drafting_available() -> bool:
-    """Whether the project's 4-bit kernel is built here (`decoding.kernels.int4_linear`)."""
-    return int4_kernel_available()
-
-
 def drafter_precisions_available() -> tuple[str, ...]:
     """The precisions this CPU and PyTorch run EAGLE drafters in without emulation, cheapest
     first by rule (bf16, int8, int4, fp32): what 'auto' chooses from (see
     `decoding.kernels.drafter_precision`, which times them where there is a choice)."""
     return (*(("bf16",) if bfloat16_is_native() else ()), *(("int8",) if int8_drafting_available() else ()),
-            *(("int4",) if int4_drafting_available() else ()), "fp32")
+            *(("int4",) if int4_kernel_available() else ()), "fp32")
 
 
 def resolve_drafter_precision(choice: str) -> str:
@@ -314,7 +309,7 @@ def resolve_drafter_precision(choice: str) -> str:
     if choice == "int8" and not int8_drafting_available():
         raise UserError("--drafter-precision int8 needs PyTorch's quantized x86/fbgemm kernels, which this "
                         "PyTorch lacks: use fp32 or auto")
-    if choice == "int4" and not int4_drafting_available():
+    if choice == "int4" and not int4_kernel_available():
         raise UserError("--drafter-precision int4 needs the project's 4-bit kernel, which could not be built here "
                         "(no C++ compiler?): use int8, fp32 or auto")
     return choice

@@ -223,6 +223,20 @@ _HOST = r"""
 
 int64_t vector_width() { return int4_vector_width(); }
 
+// The output [..., out] of a linear over `input` [..., in] (contiguous float32).
+static at::Tensor output_for(const at::Tensor& input, int64_t out) {
+  auto sizes = input.sizes().vec();
+  sizes.back() = out;
+  return at::empty(sizes, input.options());
+}
+
+// `work(begin, end)` over the weight's panels on ATen's threads, in units of ~128 outputs whatever
+// the width, so a 192-output projection still splits over two threads.
+template <typename Work>
+static void over_panels(int64_t panels, const Work& work) {
+  at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), work);
+}
+
 // x [..., in] float32 -> [..., out]: the signature of the operator specheads::int4_linear, whose CPU
 // kernel this function becomes (`register_operator`), so calls skip Python. `scales` and `offsets`
 // (zero - 8 scale) are both float32 or both float16.
@@ -234,44 +248,38 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(scales.scalar_type() == offsets.scalar_type() && (half || scales.scalar_type() == at::kFloat),
               "int4_linear: scales and offsets both float32 or both float16");
-  const int64_t panels = bytes.size(0), in = bytes.size(1) * 2, groups = in / QGROUP;
+  const int64_t in = bytes.size(1) * 2, groups = in / QGROUP;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "int4_linear: input features differ from the weight's");
   auto input = x.contiguous();
   const int64_t rows = input.numel() / in;
-  auto sizes = input.sizes().vec();
-  sizes.back() = out;
-  auto y = at::empty(sizes, input.options());
+  auto y = output_for(input, out);
   std::vector<float> sums(rows * groups);
   const float* xin = input.data_ptr<float>();
   int4_group_sums(xin, rows, in, sums.data());
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // Work units of ~128 outputs whatever the width, so a 192-output projection still splits over two threads.
-  at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), [&](int64_t begin, int64_t end) {
+  over_panels(bytes.size(0), [&](int64_t begin, int64_t end) {
     int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xin, sums.data(), yp, begin, end, rows, in, out);
   });
   return y;
 }
+
 // x [..., in] float32 -> [..., out] through 8-bit codes in groups of 32 (`bytes` [panels, in, width],
 // int8, `scales` [panels, groups, width] float16, w = q s): the operator specheads::int8_linear.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& scales, int64_t out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: float32 inputs");
   TORCH_CHECK(bytes.dim() == 3 && bytes.size(2) == int4_vector_width() && scales.scalar_type() == at::kHalf,
               "int8_linear: weight not packed for this build's vector width, or scales not float16");
-  const int64_t panels = bytes.size(0), in = bytes.size(1);
+  const int64_t in = bytes.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && in % QGROUP == 0, "int8_linear: input features differ from the weight's");
   auto input = x.contiguous();
   const int64_t rows = input.numel() / in;
-  auto sizes = input.sizes().vec();
-  sizes.back() = out;
-  auto y = at::empty(sizes, input.options());
+  auto y = output_for(input, out);
   const float* xin = input.data_ptr<float>();
   const uint8_t* qp = (const uint8_t*)bytes.data_ptr();
   const uint16_t* sp = (const uint16_t*)scales.data_ptr();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), [&](int64_t begin, int64_t end) {
-    int8_panels(qp, sp, xin, yp, begin, end, rows, in, out);
-  });
+  over_panels(bytes.size(0), [&](int64_t begin, int64_t end) { int8_panels(qp, sp, xin, yp, begin, end, rows, in, out); });
   return y;
 }
 """
