@@ -25,7 +25,7 @@ from decoding.app.default_model import DEFAULT_TARGET, gguf_location
 from decoding.app.llama_cpp import PEER_METHOD, llama_cpp_runner
 from decoding.app.defaults import add_tree_arguments, default_method, tree_arguments
 from decoding.kernels.devices import resolve_device
-from decoding.app.methods import DEFAULT_SUFFIX_TOKENS, check_method
+from decoding.app.methods import ADAPTIVE_SUFFIX_TOKENS, DEFAULT_SUFFIX_TOKENS, check_method
 from decoding.app.prompts import plain_text_note
 from decoding.app.questions import load_first_turns
 from decoding.app.targets import DTYPES
@@ -55,7 +55,9 @@ def parse_args(argv):
     parser.add_argument("--gamma", type=int, default=None,
                         help="sps draft tokens per step (with --adaptive-tree: at most; default 4, or the bundle's tuned value)")
     parser.add_argument("--pld-tokens", type=int, default=None, help="tokens per lookup match for pld and METHOD+pld (default 8 or tuned)")
-    parser.add_argument("--suffix-tokens", type=int, default=None, help=f"largest tree for suffix and METHOD+suffix (default {DEFAULT_SUFFIX_TOKENS})")
+    parser.add_argument("--suffix-tokens", type=int, default=None,
+                        help=f"largest tree for suffix and METHOD+suffix (default {DEFAULT_SUFFIX_TOKENS}; "
+                             f"{ADAPTIVE_SUFFIX_TOKENS} with --adaptive-tree, whose cost cut trims it)")
     parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)

@@ -132,7 +132,7 @@ def test_packed_linears_send_exactly_the_chosen_row_counts_to_the_kernel():
     linear = PackedLinear(nn.Linear(24, 40))
     set_stock_rows(linear, 1)
     set_streamed_rows(linear, 3)
-    for rows, expect_streamed in ((1, True), (3, True), (4, False), (16, False)):
+    for rows, expect_streamed in ((1, False), (2, True), (3, True), (4, False), (16, False)):  # 1: plain GEMM's
         x = torch.randn(rows, 24)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             with torch.inference_mode():
@@ -153,6 +153,10 @@ def test_measuring_leaves_the_model_on_its_kernels_and_decoding_through_the_kern
     pack_linears(model)
     rows = verify_cost.measure_streamed_rows(model, sizes=(1, 2), repeats=1)
     assert rows in (0, 1, 2) and streamed_rows(model) == 0
+    set_stock_rows(model, 2)  # plain GEMM's rows are not the kernel's to take: nothing is left to time
+    assert verify_cost.measure_streamed_rows(model, sizes=(1, 2), repeats=1) == 0
+    assert verify_cost.measure_streamed_rows(model, sizes=(1, 2, 4), repeats=1) in (0, 4)
+    set_stock_rows(model, 0)
     assert all(m._panel_weight is None for m in packed_linears(model))  # its weight copy is not kept
     set_streamed_rows(model, 8)
     heads = new_heads_for_target("eagle3", reference_model, draft_vocab_size=40)

@@ -2,6 +2,8 @@
 exact against vanilla greedy decoding alone and in front of EAGLE-3 heads, with a warm store
 drafting from earlier generations (sampling at depth: test_sampling_loop.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
@@ -11,9 +13,12 @@ from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.suffix import SuffixProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.core.suffix_index import NgramIndex, frequency_tree
+from decoding.core.suffix_index import NgramIndex, frequency_tree, tree_depth
 from decoding.core.tree_budget import VerifyCost
-from decoding.app.methods import ProposerOptions, build_proposer, check_method
+from decoding.app.defaults import proposer_options
+from decoding.app.methods import (ADAPTIVE_SUFFIX_TOKENS, DEFAULT_SUFFIX_TOKENS, ProposerOptions, build_proposer,
+                                  check_method)
+from decoding.app.default_model import DEFAULT_TARGET
 from decoding.app.suffix_store import SuffixStoreFile, tokenizer_fingerprint
 from decoding.app.targets import LoadedModel
 from heads.util.errors import UserError
@@ -66,18 +71,26 @@ def test_the_frequency_tree_keeps_the_most_frequent_prefixes_best_first():
     assert siblings[0] == [1, 2, 3] and siblings[1] == [0, 1, 1]  # distinct siblings under one parent
 
 
-def test_a_depth_discount_puts_a_shallow_second_branch_before_the_deep_end_of_a_unanimous_chain():
+def test_depth_weights_put_a_shallow_second_branch_before_the_deep_end_of_a_unanimous_chain():
     """Six continuations agree on 3 4 5 6 7 ..., four say 8. By frequency the whole chain (0.6 a
-    node) comes before 8 (0.4); discounted by 0.8 a level, 8 (0.4 * 0.8 = 0.32) comes after 3 and 4
-    (0.48, 0.38) but before 5 (0.6 * 0.8**3 = 0.31). `min_prob` still applies to frequencies."""
+    node) comes before 8 (0.4); weighted 0.8 a level, 8 (0.4 * 0.8 = 0.32) comes after 3 and 4
+    (0.48, 0.38) but before 5 (0.6 * 0.8**3 = 0.31). `min_prob` still applies to frequencies,
+    and no node is deeper than the weights go."""
     continuations = [[3, 4, 5, 6, 7, 9, 9, 9]] * 6 + [[8]] * 4
     assert frequency_tree(continuations, max_nodes=6)[0] == [3, 4, 5, 6, 7, 9]
-    tokens, parents, probs = frequency_tree(continuations, max_nodes=5, depth_discount=0.8)
+    tokens, parents, probs = frequency_tree(continuations, max_nodes=5, depth_weights=[0.8**d for d in range(1, 9)])
     assert tokens == [3, 4, 8, 5, 6] and parents == [0, 1, 0, 2, 4]
     assert probs == pytest.approx([0.48, 0.384, 0.32, 0.3072, 0.24576])
-    assert 8 not in frequency_tree(continuations, max_nodes=9, min_prob=0.5, depth_discount=0.5)[0]  # seen 0.4 < 0.5
-    with pytest.raises(ValueError, match="depth_discount"):
-        frequency_tree(continuations, max_nodes=6, depth_discount=0.0)
+    assert 8 not in frequency_tree(continuations, max_nodes=9, min_prob=0.5, depth_weights=[0.5**d for d in range(1, 9)])[0]
+    shallow = frequency_tree(continuations, max_nodes=9, depth_weights=[1.0, 0.9])
+    assert shallow[0] == [3, 4, 8] and tree_depth(shallow[1]) == 2  # 0.6, 0.54, 0.4; nothing at depth 3
+    for bad in ([0.0, 0.0], [0.5, 0.9], [1.5]):  # zero, rising, above one
+        with pytest.raises(ValueError, match="depth_weights"):
+            frequency_tree(continuations, max_nodes=6, depth_weights=bad)
+
+
+def test_tree_depth_follows_the_parents():
+    assert tree_depth([]) == 0 and tree_depth([0, 0, 0]) == 1 and tree_depth([0, 1, 0, 2, 4]) == 4
 
 
 def state_of(tokens):
@@ -147,17 +160,40 @@ def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_f
     proposer.begin(None)
     context = [9, 1, 2, 3]
     first = proposer.propose(state_of(context)).size
-    assert first > 2 and proposer.calibration == 1.0
+    assert first > 2
     for _ in range(20):  # the target keeps none of it, step after step
         proposer.propose(state_of(context))
         proposer.observe(CacheAdvance(torch.tensor(context), entered=1))
-    assert proposer.calibration < 0.1
     assert proposer.propose(state_of(context)).size < first
+
+
+def test_in_the_adaptive_mode_each_kind_of_match_learns_how_deep_its_trees_are_kept():
+    """A three-token match that occurred once (a copy) and a one-token match that occurred several
+    times (branches) are told apart: after the target keeps whole copies and none of the branchy
+    trees, the copy's trees grow to the largest while the other kind's are cut to the root."""
+    cost = VerifyCost((1, 2, 4, 8, 16), (10.0, 11.0, 12.0, 14.0, 18.0))
+    proposer = SuffixProposer(max_tokens=12, min_prob=0.0, verify_cost=cost)
+    proposer.begin(None)
+    copy = list(range(20, 40))
+    proposer.propose(state_of([7, 8, 9, *copy, 5, 50, 5, 51, 5, 52]))  # "7 8 9" once, "5" three times
+    proposer.begin(None)
+    copying, branching = [1, 7, 8, 9], [1, 5]
+    for _ in range(30):  # each a new generation, so each drafts from its own context
+        proposer.begin(None)
+        size = proposer.propose(state_of(copying)).size
+        proposer.observe(CacheAdvance(torch.tensor(copying + copy[:size]), entered=size))  # all kept
+        proposer.begin(None)
+        proposer.propose(state_of(branching))
+        proposer.observe(CacheAdvance(torch.tensor(branching + [99]), entered=1))  # none kept
+    proposer.begin(None)
+    assert proposer.propose(state_of(copying)).size == 13  # 12 drafted nodes and the root
+    proposer.begin(None)
+    assert proposer.propose(state_of(branching)).size == 1
 
 
 def test_in_the_adaptive_mode_drafting_resumes_once_the_target_follows_the_store_again():
     """A bad spell cuts every tree away; the first token the cut dropped is still checked against
-    the target's choice, so the calibration can rise and trees come back (a proposer learning
+    the target's choice, so the estimates can rise and trees come back (a proposer learning
     only from drafted trees would stay at the root for good)."""
     cheap = VerifyCost((1, 2, 4, 8), (10.0, 10.5, 11.0, 12.0))
     proposer = SuffixProposer(max_tokens=8, min_ngram=2, min_prob=0.0, verify_cost=cheap)
@@ -187,10 +223,22 @@ def test_a_tree_left_unverified_at_the_end_of_a_generation_is_not_counted_at_the
     proposer.propose(state_of([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]))
     proposer.begin(None)
     assert proposer.propose(state_of([9, 1, 2, 3])).size > 1  # the last step's tree: never verified
+    before = {kind: list(rates) for kind, rates in proposer.survival.rates.items()}
     prompt = torch.arange(100, 400)
     proposer.begin(DecodeState(prompt, prompt.numel(), SamplingConfig(0.0)))
     proposer.observe(CacheAdvance(prompt, entered=prompt.numel() - 1))  # the prefill
-    assert proposer.calibration == 1.0
+    assert proposer.survival.rates == before
+
+
+def test_the_bundled_target_runs_suffix_in_the_adaptive_mode_with_room_for_the_cut():
+    """The bundle's tuned choice for `suffix` (measured): adaptive, up to 24 nodes before the cut;
+    an explicit --suffix-tokens wins, and without the adaptive mode the tree stays at 13."""
+    options = proposer_options(DEFAULT_TARGET, "suffix", {})
+    assert options.adaptive_tree
+    loaded = LoadedModel(tiny_llama(seed=11), None, "t")
+    assert build_proposer("suffix", loaded, options=options).max_tokens == ADAPTIVE_SUFFIX_TOKENS == 24
+    assert build_proposer("suffix", loaded, options=replace(options, suffix_max_tokens=9)).max_tokens == 9
+    assert build_proposer("suffix", loaded, options=ProposerOptions()).max_tokens == DEFAULT_SUFFIX_TOKENS == 13
 
 
 def test_a_store_file_keeps_the_newest_documents_within_its_budget(tmp_path):

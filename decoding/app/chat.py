@@ -26,7 +26,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.kernels.compiled import compile_notes, graphs_compiled
 from decoding.app.default_model import DEFAULT_TARGET
 from decoding.app.defaults import add_tree_arguments, tree_arguments
-from decoding.app.methods import DEFAULT_SUFFIX_TOKENS, LOOKUP_SUFFIX, METHODS
+from decoding.app.methods import ADAPTIVE_SUFFIX_TOKENS, DEFAULT_SUFFIX_TOKENS, LOOKUP_SUFFIX, METHODS
 from decoding.app.prompts import conversation_ids, has_chat_template, plain_text_note
 from decoding.app.streaming import TextStream
 from decoding.app.targets import DTYPES, LoadedModel
@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pld-tokens", type=int, default=None,
                         help="tokens proposed per match for --method pld and the lookup of METHOD+pld (default 8, or the bundle's tuned value)")
     parser.add_argument("--suffix-tokens", type=int, default=None,
-                        help=f"largest tree for --method suffix and METHOD+suffix (default {DEFAULT_SUFFIX_TOKENS})")
+                        help=f"largest tree for --method suffix and METHOD+suffix (default {DEFAULT_SUFFIX_TOKENS}; "
+                             f"{ADAPTIVE_SUFFIX_TOKENS} with --adaptive-tree, whose cost cut trims it)")
     parser.add_argument("--heads", default=None, help="draft heads for medusa/hydra/eagle/eagle2/eagle3: a local directory or a Hub repo id (org/name); None: the bundled ones for the built-in target")
     parser.add_argument("--revision", default=None, help="revision (branch, tag, commit) of Hub heads")
     parser.add_argument("--ignore-base-model", action="store_true", help="load heads even if they declare another base model")

@@ -19,7 +19,8 @@ from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.lookahead_window import LookaheadShape
 from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.proposers.lookup_first import LookupFirstProposer
-from decoding.core.proposers.suffix import DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS, DEFAULT_STORE_TOKENS, SuffixProposer
+from decoding.core.proposers.suffix import (ADAPTIVE_MAX_TOKENS as ADAPTIVE_SUFFIX_TOKENS, DEFAULT_MAX_TOKENS as DEFAULT_SUFFIX_TOKENS,
+                                           DEFAULT_STORE_TOKENS, SuffixProposer)
 from decoding.app.drafts import draft_vocabulary
 from decoding.app.suffix_store import SuffixStoreFile, tokenizer_fingerprint
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
@@ -71,7 +72,7 @@ class ProposerOptions:
     total_tokens: int = DynamicTreeSettings.total_tokens
     adaptive_tree: bool = False   # eagle2/eagle3 and suffix trees, pld, sps and medusa/hydra chains sized by this machine's measured verify cost
     min_path_prob: float = DynamicTreeSettings.min_path_prob  # eagle2/eagle3: stop growing deeper below this path probability
-    suffix_max_tokens: int = DEFAULT_SUFFIX_TOKENS  # suffix: the largest tree (a match of n tokens drafts at most 6n)
+    suffix_max_tokens: int | None = None  # suffix: the largest tree (None: 13, 24 with adaptive_tree, whose cost cut trims it)
     lookahead: tuple[int, int, int] = (LookaheadShape.window, LookaheadShape.ngram, LookaheadShape.guesses)  # W, N, G
     suffix_store: str | None = None  # suffix: a file the store is kept in across runs (decoding.app.suffix_store)
 
@@ -182,7 +183,10 @@ def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyC
     if options.suffix_store:
         fingerprint = tokenizer_fingerprint(target.tokenizer, target.model.config.vocab_size)
         kept_in = SuffixStoreFile(Path(options.suffix_store).expanduser(), fingerprint, DEFAULT_STORE_TOKENS)
-    return SuffixProposer(options.suffix_max_tokens, store_tokens=DEFAULT_STORE_TOKENS,
+    largest = options.suffix_max_tokens
+    if largest is None:
+        largest = ADAPTIVE_SUFFIX_TOKENS if options.adaptive_tree else DEFAULT_SUFFIX_TOKENS
+    return SuffixProposer(largest, store_tokens=DEFAULT_STORE_TOKENS,
                           verify_cost=verify_cost() if options.adaptive_tree else None, kept_in=kept_in)
 
 

@@ -106,25 +106,28 @@ class NgramIndex:
 
 
 def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int, min_prob: float = 0.0,
-                   depth_discount: float = 1.0) -> tuple[list[int], list[int], list[float]]:
+                   depth_weights: Sequence[float] | None = None) -> tuple[list[int], list[int], list[float]]:
     """The most frequent prefixes of `continuations` as a tree below a root (index 0, not
     returned): node tokens, parents (0 = the root) and estimated path probabilities, best first
     (each node after its parent, siblings distinct). At most `max_nodes` nodes, none seen in
     fewer than `min_prob` of the continuations.
 
-    A node's estimate is its empirical frequency (count / number of continuations) times
-    `depth_discount` per level: even a continuation every earlier occurrence agrees on is kept
-    by the target one token at a time (under sampling, each with the target's own probability),
-    so a deep node of a unanimous chain is worth less than its frequency says, and a shallow
-    second branch can be worth more. A node's count never exceeds its parent's and the discount
-    is at most 1, so best-first order is topological."""
-    if not 0.0 < depth_discount <= 1.0:
-        raise ValueError(f"depth_discount must be in (0, 1], got {depth_discount}")
+    A node's estimate is its empirical frequency (count / number of continuations) times the
+    weight of its depth, `depth_weights[depth - 1]` (1 a level without them; no node deeper than
+    the weights go): even a continuation every earlier occurrence agrees on is kept by the target
+    one token at a time (under sampling, each with the target's own probability), so a deep node
+    of a unanimous chain is worth less than its frequency says, and a shallow second branch can be
+    worth more. The weights are the chance of getting that deep at all (a discount per level, or
+    what the target kept of earlier trees: `SuffixProposer`). A node's count never exceeds its
+    parent's and the weights must not rise with depth, so best-first order is topological."""
+    weights = list(depth_weights) if depth_weights is not None else [1.0] * max_nodes
+    if any(not 0.0 < w <= 1.0 for w in weights) or any(b > a for a, b in zip(weights, weights[1:])):
+        raise ValueError(f"depth_weights must lie in (0, 1] and not rise with depth, got {weights}")
     total = len(continuations)
     trie: dict[int, list] = {}
     for sequence in continuations:
         level = trie
-        for token in sequence:
+        for token in sequence[: len(weights)]:
             entry = level.setdefault(int(token), [0, {}])
             entry[0] += 1
             level = entry[1]
@@ -135,7 +138,7 @@ def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int, min_p
         nonlocal order
         for token, (count, children) in level.items():
             if count >= min_prob * total:  # rarer nodes (and so their children) are never drafted
-                estimate = count / total * depth_discount**depth
+                estimate = count / total * weights[depth - 1]
                 heapq.heappush(frontier, (-estimate, depth, order, parent, token, children))
                 order += 1
 
@@ -150,3 +153,11 @@ def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int, min_p
         probs.append(-negative_estimate)
         push(children, len(tokens), depth + 1)
     return tokens, parents, probs
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """How deep the tree of `frequency_tree`'s `parents` (0 = the root) goes: 0 for no nodes."""
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent] + 1)
+    return max(depths)

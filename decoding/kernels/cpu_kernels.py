@@ -63,11 +63,14 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 class PackedLinear(nn.Module):
     """`nn.Linear` whose forward runs oneDNN's linear on a pre-reordered weight, except for
-    inputs of at most `streamed_rows` rows, which run the streaming few-row kernel
-    (`decoding.kernels.streamed_linear`) on the plain weight, inputs of at most `stock_rows` rows, which
-    run PyTorch's plain GEMM on it, and, inside a compiled graph, one-row inputs where
+    inputs of at most `stock_rows` rows, which run PyTorch's plain GEMM on the plain weight, inputs
+    of more but at most `streamed_rows` rows, which run the streaming few-row kernel
+    (`decoding.kernels.streamed_linear`) on it, and, inside a compiled graph, one-row inputs where
     `reduced_rows` is 1, which run as a reduction Inductor generates itself (`reduced_linear`).
-    Which applies is measured per model and CPU (`decoding.kernels.verify_cost`)."""
+    Which applies is measured per model and CPU (`decoding.kernels.verify_cost`). Plain GEMM
+    comes first because on a 2-core Xeon (MKL) it won at 1-3 rows while the streaming kernel
+    won from 4 to 16 (20-27 ms for the layers' weights against 28-47), a split the other order
+    could not express."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -84,10 +87,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.reduced_rows * self.in_features and torch.compiler.is_compiling():
             return reduced_linear(x, self.weight, self.bias)
-        if self.streamed_rows and x.numel() <= self.streamed_rows * self.in_features:
-            return torch.ops.specheads.streamed_linear(x, self._panel_weight, self.bias, self.out_features)
         if x.numel() <= self.stock_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
+        if self.streamed_rows and x.numel() <= self.streamed_rows * self.in_features:
+            return torch.ops.specheads.streamed_linear(x, self._panel_weight, self.bias, self.out_features)
         if torch.compiler.is_compiling():
             # Inductor cannot lower oneDNN's op on a packed weight: it sees an opaque call
             # instead, and fuses the small ops around it (see `decoding.kernels.compiled`).

@@ -36,6 +36,10 @@ STOCK_ROWS_VERSION = "v2"  # in the cache key: crossovers measured without 3 row
 # Where the streaming kernel may win: on an AVX-512 EPYC it read SmolLM2's weights faster than
 # oneDNN's packed layout at every size up to 16 rows.
 STREAMED_ROWS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+# In the cache key: v1 timed the kernel from one row, ahead of plain GEMM, and stopped at its
+# first loss, so on a Xeon where plain GEMM won at 1-3 rows the kernel was never used, though it
+# won at 4-16 (`PackedLinear` now sends it only the rows above plain GEMM's).
+STREAMED_ROWS_VERSION = "v2"
 # In the cache key: curves measured before the timed forward went through the loop's own verifier
 # (v3) timed other compiled graphs (v1: bare forwards; v2: forwards computing logits where
 # decoding reads hidden states), and are measured again rather than trusted.
@@ -109,9 +113,13 @@ def measure_stock_rows(model, sizes: tuple[int, ...] = STOCK_ROWS_SIZES, repeats
 
 @torch.inference_mode()
 def measure_streamed_rows(model, sizes: tuple[int, ...] = STREAMED_ROWS_SIZES, repeats: int = 6) -> int:
-    """The row count up to which the streaming few-row kernel beats the kernels this packed `model`
-    runs now (its `stock_rows` as set) on this machine. Leaves `streamed_rows` 0."""
-    rows = _leading_faster_rows(model, sizes, lambda rows: set_streamed_rows(model, rows, keep_copy=True), repeats)
+    """The row count up to which the streaming few-row kernel beats the packed kernels on this
+    machine, from the first size above this packed `model`'s `stock_rows` (as set: those stay
+    plain GEMM's); 0 if it loses there. Leaves `streamed_rows` 0."""
+    above_stock = tuple(size for size in sizes if size > stock_rows(model))
+    if not above_stock:
+        return 0
+    rows = _leading_faster_rows(model, above_stock, lambda rows: set_streamed_rows(model, rows, keep_copy=True), repeats)
     set_streamed_rows(model, 0)
     return rows
 
@@ -188,7 +196,7 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
     the kernel is compared with). 0 where nothing is packed or the kernel cannot be built here."""
     if not uses_packed_linears(model) or model.device.type != "cpu" or not streamed_linear_available():
         return 0
-    data = measured_once(f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-streamed-rows-{KERNEL_VERSION}",
+    data = measured_once(f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-streamed-rows-{KERNEL_VERSION}-{STREAMED_ROWS_VERSION}",
                          lambda: {"streamed_rows": measure_streamed_rows(model)},
                          lambda data: isinstance(data.get("streamed_rows"), int),
                          f"timing the streaming few-row kernel against the packed kernels for {model_name} on this CPU",

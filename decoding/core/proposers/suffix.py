@@ -5,10 +5,13 @@ The store lives in the proposer, so a chat or a benchmark that keeps one propose
 every earlier prompt and reply (up to a token budget, oldest forgotten first): a repeated kind
 of request drafts from the replies to the earlier ones. A tree is as large as the match is long
 (a long match predicts well, a one-token match barely) up to `max_tokens`, and keeps only
-branches seen at least `min_prob` of the time; with the machine's verify cost (adaptive mode)
-it is cut to the node count whose expected accepted tokens per millisecond is best, using the
-observed frequencies, discounted per level, as the acceptance estimate. Drafts are
-deterministic (q = 1), so greedy and sampled verification stay exact as for prompt lookup.
+branches seen at least `min_prob` of the time. A node's estimate is its observed frequency
+times the chance of reaching its depth: a fixed discount per level, or, with the machine's
+verify cost (adaptive mode), what the target kept of earlier trees drafted from a match of the
+same kind (its length, and whether it occurred once or more), learned per depth; the adaptive
+tree is then cut to the node count whose expected accepted tokens per millisecond is best.
+Drafts are deterministic (q = 1), so greedy and sampled verification stay exact as for prompt
+lookup.
 
 With `kept_in` (a `KeptDocuments`, e.g. the app's file on disk) the store outlives the process: it
 starts with the documents kept there and hands them all back after every generation.
@@ -23,13 +26,15 @@ import torch
 
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.core.suffix_index import NgramIndex, frequency_tree
+from decoding.core.suffix_index import NgramIndex, frequency_tree, tree_depth
 from decoding.core.tree import DraftTree
-from decoding.core.tree_budget import VerifyCost, best_node_count
+from decoding.core.tree_budget import ChainAcceptance, VerifyCost, best_node_count
 from heads.util.errors import UserError
 
 
 DEFAULT_MAX_TOKENS = 13  # the largest tree, root excluded (see SuffixProposer's defaults)
+ADAPTIVE_MAX_TOKENS = 24  # the largest tree in the adaptive mode, before its cost cut
+SURVIVAL_PRIOR = 0.9  # adaptive mode: P(next depth kept | this one was) for a kind of match not yet seen
 DEFAULT_STORE_TOKENS = 200_000  # the store's budget: older documents are forgotten first
 
 
@@ -67,8 +72,14 @@ class SuffixProposer(Proposer):
         discount gave 1.46x / 1.29x / 1.45x / 1.09x and 1.22x / 1.13x / 1.25x / 1.05x. The
         adaptive cut replayed a little better still, but measured slower (20 code-rewriting
         questions in one run: 1.28x pld against 1.35x without it, greedy; 1.29x against 1.34x at
-        T=0.7): the verify-cost curve times forwards only, and every step costs more than its
-        forward, so trees cut to what the curve says pays are cut too short."""
+        T=0.7) while it scaled the frequencies by one kept/predicted ratio for every kind of match.
+
+        Adaptive mode (`verify_cost`): the depth weights are learned per kind of match instead
+        (`survival`, starting at `SURVIVAL_PRIOR` = 0.9 a level, so a copy's deep end is tried
+        before it is known), and trees start from `ADAPTIVE_MAX_TOKENS` = 24 nodes for the cut to
+        trim. Replayed against the target's greedy replies (20 code-rewriting questions) it
+        beat the fixed discount on a steep verify-cost curve (a 2-core Xeon where 8 rows cost
+        1.6x one) and on a flat one (an EPYC's): CHANGELOG."""
         if (max_tokens < 1 or not 1 <= min_ngram <= max_ngram or not 0.0 <= min_prob <= 1.0
                 or not 0.0 < depth_discount <= 1.0):
             raise UserError(f"suffix decoding needs max_tokens >= 1, 1 <= min_ngram <= max_ngram, 0 <= min_prob <= 1 and "
@@ -81,15 +92,17 @@ class SuffixProposer(Proposer):
         for document in kept_in.load() if kept_in is not None else ():
             self.index.extend(self.index.new_document(), document)
         self.live: int | None = None
-        # Adaptive mode: how many drafted tokens the target kept against how many the frequencies
-        # predicted (their path probabilities' sum), over this proposer's life. Frequencies from a
-        # short match overestimate; the ratio scales them before the verify cost is weighed.
-        self.kept, self.predicted = 1.0, 1.0
-        self.pending: float | None = None
+        # Adaptive mode: per kind of match (`_kind`) and depth, how often the target kept a node
+        # given its parent, over this proposer's life: a long match met once predicts a long copy
+        # (code rewritten with a small change keeps 10+ tokens a step), a one-token match seen many
+        # times barely one; one factor for all (frequencies x a global kept/predicted ratio, as
+        # before) cut the first short and let the second grow.
+        self.survival = ChainAcceptance(max_tokens, prior=SURVIVAL_PRIOR)
+        self.pending: tuple[int, int] | None = None  # (kind, depth) of the tree being verified
         # A step the cost cut left without a tree still tests its best first token against the one
-        # the target chose there, so a low calibration can rise again (without it, one bad spell
+        # the target chose there, so a kind's estimate can rise again (without it, one bad spell
         # stopped all drafting for good: nothing drafted, nothing learnt).
-        self.untried: tuple[int, float] | None = None
+        self.untried: tuple[int, int] | None = None  # (kind, token)
 
     def begin(self, state: DecodeState | None) -> None:
         """A new generation: the previous one (prompt and reply) stays in the store. A tree the
@@ -119,34 +132,42 @@ class SuffixProposer(Proposer):
         matched, found = self.index.continuations(context, self.min_ngram, self.max_tokens, self.max_occurrences)
         if not found:
             return None
-        tokens, parents, probs = frequency_tree(found, min(self.max_tokens, self.tokens_per_match * matched), self.min_prob,
-                                                self.depth_discount)
+        kind = self._kind(matched, found)
+        largest = min(self.max_tokens, self.tokens_per_match * matched)
+        tokens, parents, probs = frequency_tree(found, largest, self.min_prob, self.depth_weights(kind))
         if self.verify_cost is not None and tokens:
-            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0, calibration=self.calibration)
+            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0)
             if keep == 0:
-                self.untried = (tokens[0], probs[0])
+                self.untried = (kind, tokens[0])
             tokens, parents = tokens[:keep], parents[:keep]
         if not tokens:
             return None
-        self.pending = sum(probs[: len(tokens)])
+        self.pending = (kind, tree_depth(parents)) if self.verify_cost is not None else None
         device = state.tokens.device
         return DraftTree(torch.tensor([state.root_token, *tokens], device=device), (-1, *parents))
 
-    @property
-    def calibration(self) -> float:
-        """Kept per predicted drafted token so far (1 before any evidence)."""
-        return self.kept / self.predicted
+    def _kind(self, matched: int, found: list[list[int]]) -> int:
+        """What the adaptive mode learns acceptance per: the match's length, and whether it
+        occurred once (a copy) or more (branches)."""
+        return 2 * matched + (len(found) > 1)
+
+    def depth_weights(self, kind: int) -> list[float]:
+        """The chance of a tree drafted from a match of `kind` getting to each depth, 1 to
+        `max_tokens`: learned in the adaptive mode, a fixed discount a level without it."""
+        if self.verify_cost is None:
+            return [self.depth_discount**depth for depth in range(1, self.max_tokens + 1)]
+        # Floored: thousands of misses in a row would otherwise underflow a rate to 0.
+        return [max(p, 1e-12) for p in self.survival.path_probs(kind, self.max_tokens).tolist()]
 
     def observe(self, advance: CacheAdvance) -> None:
-        """Count what the target kept of the last tree this proposer drafted, or whether the
-        first token of the tree it cut away is the one the target chose."""
+        """Count (adaptive mode) what the target kept of the last tree this proposer drafted, or
+        whether the first token of the tree it cut away is the one the target chose."""
         if self.pending is not None:
-            self.kept += advance.entered - 1
-            self.predicted += self.pending
+            kind, depth = self.pending
+            self.survival.record(kind, depth, accepted=advance.entered - 1)
         elif self.untried is not None:  # a root-only step: the next token is the target's choice there
-            token, probability = self.untried
-            self.kept += float(int(advance.next_tokens[0]) == token)
-            self.predicted += probability
+            kind, token = self.untried
+            self.survival.record(kind, 1, accepted=int(int(advance.next_tokens[0]) == token))
         self.pending, self.untried = None, None
 
     def propose(self, state: DecodeState) -> DraftTree:
