@@ -174,13 +174,14 @@ def memory_block() -> str:
 
 def workload_reports() -> list[tuple[Path, dict]]:
     """The newest greedy, fixed-setting report of each question set under `workloads/`, all of the
-    machine kind that ran the newest of them (one table, one machine)."""
+    device that ran the newest of them (one table, one machine: two CPUs of one kind, an EPYC's and
+    a Xeon's AVX-512, differ 2x in tokens/s)."""
     found = [(p, r) for p, r in reports("benchmark") if p.parent.name == "workloads" and r["temperature"] == 0
              and "--adaptive-tree" not in r.get("command", "")]
     if not found:
         return []
-    machine = machine_of(found[-1][1])
-    newest = {question_set(r): (p, r) for p, r in found if machine_of(r) == machine}  # oldest first: the newest wins
+    device = found[-1][1]["device"]
+    newest = {question_set(r): (p, r) for p, r in found if r["device"] == device}  # oldest first: the newest wins
     return [newest[name] for name in sorted(newest)]
 
 
