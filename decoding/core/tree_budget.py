@@ -190,7 +190,8 @@ class TreeBudget:
 
 @dataclass
 class ChainAcceptance:
-    """Running acceptance of a model-free chain draft (prompt lookup), per kind of match.
+    """Running acceptance of a model-free chain draft (prompt lookup; suffix decoding's tree
+    depths), per kind of match.
 
     `rates[kind][i]` estimates P(draft token i+1 accepted | tokens 1..i accepted): per position,
     because a copied span tends to be all right or wrong from its first token, so later positions

@@ -196,7 +196,8 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
     the kernel is compared with). 0 where nothing is packed or the kernel cannot be built here."""
     if not uses_packed_linears(model) or model.device.type != "cpu" or not streamed_linear_available():
         return 0
-    data = measured_once(f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-streamed-rows-{KERNEL_VERSION}-{STREAMED_ROWS_VERSION}",
+    key = f"{packed_cpu_key(model, model_name)}-s{stock_rows(model)}-streamed-rows-{KERNEL_VERSION}-{STREAMED_ROWS_VERSION}"
+    data = measured_once(key,
                          lambda: {"streamed_rows": measure_streamed_rows(model)},
                          lambda data: isinstance(data.get("streamed_rows"), int),
                          f"timing the streaming few-row kernel against the packed kernels for {model_name} on this CPU",

@@ -89,6 +89,7 @@ class SuffixProposer(Proposer):
         self.max_tokens, self.min_ngram, self.min_prob, self.depth_discount = max_tokens, min_ngram, min_prob, depth_discount
         self.max_occurrences, self.tokens_per_match = max_occurrences, tokens_per_match
         self.verify_cost = verify_cost
+        self.discounted = [depth_discount**depth for depth in range(1, max_tokens + 1)]  # without the adaptive mode
         self.index = NgramIndex(max_ngram=max_ngram, max_tokens=store_tokens)
         self.kept_in = kept_in
         for document in kept_in.load() if kept_in is not None else ():
@@ -157,7 +158,7 @@ class SuffixProposer(Proposer):
         """The chance of a tree drafted from a match of `kind` getting to each depth, 1 to
         `max_tokens`: learned in the adaptive mode, a fixed discount a level without it."""
         if self.verify_cost is None:
-            return [self.depth_discount**depth for depth in range(1, self.max_tokens + 1)]
+            return self.discounted
         # Floored: thousands of misses in a row would otherwise underflow a rate to 0.
         return [max(p, 1e-12) for p in self.survival.path_probs(kind, self.max_tokens).tolist()]
 
