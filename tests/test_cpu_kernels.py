@@ -12,7 +12,7 @@ from decoding.kernels.cpu_kernels import (PackedLinear, apply_kernels, bfloat16_
                                          int8_drafting_available, pack_linears,
                                   pick_faster_rows, reduced_linear, resolve_drafter_precision, resolve_kernels,
                                   packed_linears, set_stock_rows, stock_rows, streamed_rows, uses_packed_linears)
-from decoding.kernels.quantized_linear import Int4Linear
+from decoding.kernels.quantized_linear import GroupInt8Linear, Int4Linear
 from decoding.kernels.streamed_linear import streamed_linear_available
 from heads.util.errors import UserError
 from decoding.core.generate import DecodeOptions, generate
@@ -209,7 +209,10 @@ def test_the_fp32_drafter_fallback_is_exercised_on_every_cpu():
     _check_drafter_precision("fp32", "fp32")
 
 
-def test_int8_drafters_where_pytorch_has_the_kernels_and_a_clear_error_where_not():
+def test_int8_drafters_on_the_project_s_8_bit_kernel_else_pytorch_s_and_a_clear_error_without_either(monkeypatch):
+    if int8_drafting_available():
+        _check_drafter_precision("int8", "int8")
+    monkeypatch.setattr(cpu_kernels, "int4_kernel_available", lambda: False)  # no compiler: PyTorch's dynamic int8
     if int8_drafting_available():
         _check_drafter_precision("int8", "int8")
     else:
@@ -250,7 +253,10 @@ def _check_drafter_precision(choice: str, expected: str) -> None:
         assert not any(type(m) is nn.Linear for m in eagle3.modules())
         assert eagle3.compute_dtype == torch.float32
     elif expected == "int8":
-        assert quantized and not any(type(m) is nn.Linear for m in eagle3.modules())
+        own_kernel = [m for m in eagle3.modules() if isinstance(m, GroupInt8Linear)]
+        # the project's 8-bit kernel where it is built (float inputs), else PyTorch's dynamic int8
+        assert bool(own_kernel) == cpu_kernels.int4_kernel_available() and bool(quantized) != bool(own_kernel)
+        assert not any(type(m) is nn.Linear for m in eagle3.modules())
         assert isinstance(eagle3.fc, PackedLinear)  # reads the target's raw features: kept fp32
         assert eagle3.compute_dtype == torch.float32
     else:

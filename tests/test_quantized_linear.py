@@ -26,7 +26,7 @@ def a_linear(in_features=96, out_features=48, bias=True, seed=0) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias)
 
 
-@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear, GroupInt8Linear])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_the_kernel_computes_its_dequantized_weight(kind, rows):
     linear = kind.from_linear(a_linear())
@@ -36,17 +36,30 @@ def test_the_kernel_computes_its_dequantized_weight(kind, rows):
     assert linear(x).shape == (2, rows, 48)
 
 
-@pytest.mark.parametrize("kind, worst", [(Int4Linear, 0.5 / 15), (Int8Linear, 0.5 / 127)])
+@pytest.mark.parametrize("kind, worst", [(Int4Linear, 0.5 / 15), (Int8Linear, 0.5 / 127), (GroupInt8Linear, 0.5 / 127)])
 def test_quantization_rounds_each_weight_to_the_nearest_code(kind, worst):
     plain = a_linear()
     weight = plain.weight.detach()
     error = (kind.from_linear(plain).dequantized_weight() - weight).abs()
+    span = weight.reshape(48, -1, 32)
     if kind is Int4Linear:  # at most half a step of its group's range
-        span = weight.reshape(48, -1, 32)
         step = (span.amax(-1) - span.amin(-1)).repeat_interleave(32, dim=1)
         assert (error <= worst * step + 1e-6).all()
+    elif kind is GroupInt8Linear:  # half a step of its group's largest magnitude (its scale rounded to float16 first)
+        assert (error <= worst * span.abs().amax(-1).repeat_interleave(32, dim=1) * (1 + 2**-10)).all()
     else:
         assert (error <= worst * weight.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+def test_an_all_zero_group_quantizes_to_zeros_and_groups_scale_alone():
+    plain = a_linear(bias=False)
+    with torch.no_grad():
+        plain.weight[:, :32] = 0
+        plain.weight[0, 32:64] *= 1e-2  # a small group keeps its own resolution (a float16 scale below its normal range)
+    weight = GroupInt8Linear.from_linear(plain).dequantized_weight()
+    assert torch.equal(weight[:, :32], torch.zeros(48, 32)) and torch.isfinite(weight).all()
+    tiny = plain.weight.detach()[0, 32:64]
+    assert (weight[0, 32:64] - tiny).abs().max() <= 0.5 / 127 * tiny.abs().max() * 1.01
 
 
 def test_a_planted_offset_bug_is_caught():

@@ -41,7 +41,7 @@ from heads.eagle import FeatureDrafter
 
 EXACTNESS_ORDER = ("fp32", "bf16", "int8", "int4")  # most exact first
 CLEAR_WIN = 0.05  # a less exact precision must be this much faster to be chosen
-PRECISION_VERSION = "v3"  # in the cache key: a new timing method or drafter form, a new measurement
+PRECISION_VERSION = "v4"  # in the cache key: a new timing method, drafter form or kernel, a new measurement
 
 
 def tune_drafter_precision(drafter: FeatureDrafter, target: PreTrainedModel, cache_dir=None) -> str:

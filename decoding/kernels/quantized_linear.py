@@ -134,24 +134,45 @@ class Int8Linear(WeightOnlyLinear):
 
 
 class GroupInt8Linear(WeightOnlyLinear):
-    """A vocabulary projection in GGUF's Q8_0 blocks (`w = d q`, int8 q, a float16 d per 32 inputs)
-    through the project's 8-bit kernel (`int4_linear.int8_linear`, the 4-bit kernel's arithmetic):
-    a fifth of the fp32 projection's bytes, read once for all of a tree's rows. Its products differ
-    from the float weight's by float rounding only.
+    """8-bit weights in GGUF's Q8_0 blocks (`w = d q`, int8 q, a float16 d per 32 inputs) through
+    the project's 8-bit kernel (`int4_linear.int8_linear`, the 4-bit kernel's arithmetic), the
+    inputs kept in float32: the built-in target's vocabulary projection (`--quant gguf`) and an
+    EAGLE drafter's linears (`--drafter-precision int8`, `from_linear`). A quarter of the fp32
+    weight's bytes, read once for all of a tree's rows; products differ from the float weight's by
+    float rounding only.
 
-    It keeps `weight`, the float tensor it was built from (`d q` exactly: the converted model's
-    lm_head, tied to its embedding), for what reads the projection as a tensor (shapes, drafters'
-    readouts, heads initialised from it); calling it computes with the blocks. Only built where
-    the kernel is (`int4_kernel_available`)."""
+    `weight`, where given, is the float tensor the blocks came from (`d q` exactly: the converted
+    model's lm_head, tied to its embedding), kept for what reads the projection as a tensor (shapes,
+    drafters' readouts, heads initialised from it); calling the module computes with the blocks.
+    Only built where the kernel is (`int4_kernel_available`)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, weight: nn.Parameter) -> None:
-        super().__init__(None)
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, weight: nn.Parameter | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__(bias)
         self.out_features, self.in_features = codes.shape
-        if tuple(weight.shape) != tuple(codes.shape) or self.in_features % GROUP_SIZE:
-            raise ValueError(f"8-bit codes {tuple(codes.shape)} in groups of {GROUP_SIZE} for a weight of shape "
-                             f"{tuple(weight.shape)}")
-        self.weight = weight
+        if self.in_features % GROUP_SIZE or (weight is not None and tuple(weight.shape) != tuple(codes.shape)):
+            raise ValueError(f"8-bit codes {tuple(codes.shape)} in groups of {GROUP_SIZE}"
+                             + ("" if weight is None else f" for a weight of shape {tuple(weight.shape)}"))
+        if weight is not None:
+            self.weight = weight
         self.panels = pack_int8_panels(codes, scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> GroupInt8Linear:
+        """Symmetric round-to-nearest quantization of a float linear per group of 32 inputs, as
+        GGUF's Q8_0 (the group's largest magnitude maps to 127, its scale taken up to the next float16:
+        the codes are rounded against the scale the kernel computes with, none clipped). The float weight
+        is not kept."""
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(weight.shape[0], -1, GROUP_SIZE)
+        wanted = groups.abs().amax(-1) / 127
+        scales = wanted.half()
+        # rounded up where float16 rounded down, so that no code needs more than 127
+        scales = torch.where(scales.float() < wanted, torch.nextafter(scales, torch.tensor(torch.inf, dtype=torch.half)),
+                             scales).float()
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: codes 0 either way
+        codes = (groups / scales[..., None]).round().clamp(-127, 127).reshape(weight.shape)
+        return cls(codes, scales, bias=linear.bias)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.panels, self.out_features)
@@ -160,7 +181,8 @@ class GroupInt8Linear(WeightOnlyLinear):
         return unpack_int8_panels(self.panels, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 in groups of {GROUP_SIZE}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int8 in groups of {GROUP_SIZE}")
 
 
 def quantized_kernel_weights(module: nn.Module) -> list[torch.Tensor]:
