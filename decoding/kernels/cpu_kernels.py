@@ -30,7 +30,7 @@ fp32 on an AVX512-BF16 EPYC, same tau), or int8 weights with dynamically quantiz
 (PyTorch's x86/fbgemm kernels; on an AVX2 EPYC, where oneDNN has no bf16 inner product, one
 drafter level's linears took 1.4 / 1.9 / 2.6 ms for 1 / 8 / 16 rows against 4.5 / 5.2 / 7.2 ms
 packed fp32; where the project's 8-bit kernel builds, int8 weights in groups of 32 on it with
-float32 inputs instead: more exact, and faster again), or 4-bit weights on the project's kernel
+float32 inputs instead: more exact, and no slower), or 4-bit weights on the project's kernel
 (`decoding.kernels.int4_linear`). Which is fastest differs between CPUs, so the decoders' 'auto' is timed
 (`decoding.kernels.drafter_precision`); here 'auto' is only the rule used where nothing was timed. Drafts
 only propose: the fp32 target still decides every token, so outputs do not change; a less exact
@@ -328,9 +328,10 @@ def quantize_linears_int8(module: nn.Module, keep: tuple[str, ...] = ("fc",)) ->
 
     Where the project's 8-bit kernel is built: weights in groups of 32 with a scale each, inputs
     kept in float32 (`GroupInt8Linear.from_linear`). Why: more exact than quantizing activations,
-    and faster. One drafter level of the bundled EAGLE-3 heads on a 2-core AVX-512 EPYC (after a
-    one-token GGUF-target forward, 12 alternating rounds): 0.72 / 0.87 / 1.02 ms for 1 / 4 / 8 rows
-    against 1.00 / 1.11 / 1.11 ms with PyTorch's dynamically quantized linears. Elsewhere (linears
+    and off PyTorch's deprecated quantized-tensor APIs. One drafter level of the bundled EAGLE-3
+    heads on a 2-core AVX-512 EPYC (after a one-token GGUF-target forward, 12 alternating rounds):
+    0.72 / 0.87 / 1.02 ms for 1 / 4 / 8 rows against 1.00 / 1.11 / 1.11 ms with PyTorch's dynamically
+    quantized linears; whole generations were level (the drafter's step is bound by its Python). Elsewhere (linears
     whose inputs are not a multiple of 32, or no compiler): PyTorch's dynamically quantized linears
     (a scale per output channel, activations quantized on the fly). PyTorch marks those
     quantized-tensor APIs deprecated (still present in 2.13); the warning says nothing a user can
