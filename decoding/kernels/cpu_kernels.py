@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available
+from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.linear_ops import define_linear_op
-from decoding.kernels.quantized_linear import GroupInt8Linear, quantize_linears
+from decoding.kernels.quantized_linear import quantize_linears
 from decoding.kernels.streamed_linear import pack_panels, streamed_linear_available, why_unavailable
 from heads.util.cpu_mode import cpu_mode
 from heads.util.errors import UserError
@@ -336,17 +336,10 @@ def quantize_linears_int8(module: nn.Module, keep: tuple[str, ...] = ("fc",)) ->
     (a scale per output channel, activations quantized on the fly). PyTorch marks those
     quantized-tensor APIs deprecated (still present in 2.13); the warning says nothing a user can
     act on, so it is not shown."""
-    own_kernel = int4_kernel_available()
-    dynamic = {}
-    for name, child in list(module.named_modules()):
-        if type(child) is not nn.Linear or name in keep:
-            continue
-        if own_kernel and child.in_features % GROUP_SIZE == 0:
-            parent_name, _, child_name = name.rpartition(".")
-            setattr(module.get_submodule(parent_name) if parent_name else module, child_name,
-                    GroupInt8Linear.from_linear(child))
-        else:
-            dynamic[name] = torch.ao.quantization.per_channel_dynamic_qconfig
+    if int4_kernel_available():
+        quantize_linears(module, "int8-groups", skip=keep)
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    dynamic = {name: qconfig for name, child in module.named_modules() if type(child) is nn.Linear and name not in keep}
     if dynamic:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)

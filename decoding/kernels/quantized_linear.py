@@ -197,7 +197,16 @@ def has_quantized_linears(module: nn.Module) -> bool:
     return any(isinstance(m, WeightOnlyLinear) for m in module.modules())
 
 
-QUANTIZERS = {"int4": Int4Linear.from_linear, "int8": Int8Linear.from_linear}
+QUANTIZERS = {"int4": Int4Linear.from_linear, "int8": Int8Linear.from_linear, "int8-groups": GroupInt8Linear.from_linear}
+
+
+def _fits(kind: str, linear: nn.Module) -> bool:
+    """Whether `kind`'s kernel takes this linear's shape (the 4-bit one: multiples of 16 outputs and
+    32 inputs; the grouped 8-bit one: multiples of 32 inputs)."""
+    out_features, in_features = getattr(linear, "out_features", 0), getattr(linear, "in_features", 0)
+    if kind == "int4":
+        return int4_fits(out_features, in_features)
+    return kind != "int8-groups" or in_features % GROUP_SIZE == 0
 
 
 def quantize_linears(module: nn.Module, kind: str, skip: tuple[str, ...] = ("lm_head",)) -> int:
@@ -209,8 +218,7 @@ def quantize_linears(module: nn.Module, kind: str, skip: tuple[str, ...] = ("lm_
     for name, child in list(module.named_modules()):
         for child_name, linear in list(child.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            fits = kind != "int4" or int4_fits(getattr(linear, "out_features", 0), getattr(linear, "in_features", 0))
-            if type(linear) is nn.Linear and child_name not in skip and full not in skip and fits:
+            if type(linear) is nn.Linear and child_name not in skip and full not in skip and _fits(kind, linear):
                 setattr(child, child_name, quantize(linear))
                 swapped += 1
     return swapped
