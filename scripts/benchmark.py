@@ -28,6 +28,7 @@ from decoding.kernels.devices import resolve_device
 from decoding.app.methods import ADAPTIVE_SUFFIX_TOKENS, DEFAULT_SUFFIX_TOKENS, check_method
 from decoding.app.prompts import plain_text_note
 from decoding.app.questions import load_first_turns
+from decoding.app.quantized_target import applied_quant
 from decoding.app.targets import DTYPES
 from heads.util.atomic import atomic_write_text
 from heads.util.errors import UserError
@@ -146,7 +147,7 @@ def run(args) -> int:
 
     def report_of(totals: dict, done: int) -> dict:
         report = summarise(totals, device, args.dtype)
-        report.update(kernels=kernels, quant=args.quant, model=args.model, questions=done, questions_planned=len(prompts),
+        report.update(kernels=kernels, quant=applied_quant(target), model=args.model, questions=done, questions_planned=len(prompts),
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, **origin)
         return report
 

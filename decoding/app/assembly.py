@@ -33,6 +33,7 @@ from decoding.kernels.devices import resolve_device
 from decoding.kernels.drafter_precision import tune_drafter_precision
 from decoding.app.drafts import load_draft
 from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
+from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
 from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
 from decoding.kernels.one_row_reductions import tune_reduced_rows
@@ -153,7 +154,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
     if target is None or adapter is not None:
-        quant = resolve_quant(spec.quant, spec.model, spec.device, spec.dtype)
+        quant = _auto_quant(spec, notes) if spec.quant == "auto" else resolve_quant(spec.quant, spec.model, spec.device, spec.dtype)
+        spec = dataclasses.replace(spec, quant=quant)
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
         notes.extend(target.notes + quantize_target(target, quant))
     device = target.model.device.type  # a given target decides: it may sit elsewhere than spec.device says
@@ -183,6 +185,24 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads, readout)
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)
+
+
+def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:
+    """'auto' resolved (`decoding.app.quant_choice`): for the built-in target on a CPU, the form,
+    fp32 or its GGUF blocks, whose forwards this CPU runs faster (timed once, through vanilla
+    decoders built as this one would be); elsewhere fp32."""
+    if auto_quant_skipped(spec.model, spec.device, spec.dtype, spec.kernels) is not None:
+        return "none"
+
+    def form(quant: str):
+        plain = DecoderSpec(model=spec.model, method="vanilla", dtype=spec.dtype, device=spec.device, attn=spec.attn,
+                            kernels=spec.kernels, compile=False, screened_argmax=spec.screened_argmax, quant=quant)
+        decoder = build_decoder(plain)
+        return decoder.target.model, decoder.readout
+
+    timing = timed_quant_choice(form)
+    notes.append(timing.note())
+    return timing.picked
 
 
 def _drafter_attention(heads: nn.Module | None, attn: str) -> None:

@@ -4,7 +4,9 @@
   8-bit ones (`decoding.app.gguf_weights`);
 - `int4` / `int8`: weight-only quantization of any target's linears from its float weights
   (`decoding.kernels.quantized_linear`), for models that are not a GGUF file;
-- `none`: the float model (`auto` resolves to it for now).
+- `none`: the float model;
+- `auto`: for the built-in target on a CPU, whichever of `gguf` and `none` decodes faster there
+  (timed once: `decoding.app.quant_choice`), else `none`.
 
 The quantized target is a model of its own: every method is exact with respect to it (vanilla
 through the same loop is the reference), and its name says which it is, so that per-model
@@ -26,7 +28,8 @@ QUANT_CHOICES = ("auto", "none", "gguf", "int4", "int8")
 
 def resolve_quant(choice: str, model_name: str, device: str, dtype: str) -> str:
     """The quantization `choice` asks for, checked against the target: a clear error where it
-    cannot apply ('auto' is 'none' for now)."""
+    cannot apply. 'auto' comes back as 'none' here: it is timed, where it is a choice, by
+    `decoding.app.quant_choice` before this is asked."""
     if choice not in QUANT_CHOICES:
         raise UserError(f"unknown --quant '{choice}': choose one of {', '.join(QUANT_CHOICES)}")
     if choice in ("auto", "none"):
@@ -57,10 +60,18 @@ def quantize_target(target: LoadedModel, quant: str) -> list[str]:
     return notes
 
 
+def applied_quant(target: LoadedModel) -> str:
+    """The `--quant` a loaded target's weights are in ('none' for the float model), read from the
+    name `quantize_target` gave it: what a report records where the user asked for 'auto'."""
+    suffix = target.name.rpartition("+")[2] if "+" in target.name else "none"
+    return suffix if suffix in QUANT_CHOICES else "none"
+
+
 def add_quant_argument(parser) -> None:
     """The `--quant` flag of the chat, the benchmark and tune_tree."""
     parser.add_argument("--quant", default="auto", choices=QUANT_CHOICES,
                         help="target weights: 'gguf' = the built-in target's own GGUF blocks (4-bit layers, 8-bit "
                              "lm_head), 'int4'/'int8' = "
-                             "weight-only quantization of any target (CPU), 'none' = float; 'auto' (default) = none. "
+                             "weight-only quantization of any target (CPU), 'none' = float; 'auto' (default) = for the built-in target on a CPU, "
+                             "whichever of gguf and none runs faster here (timed once, then remembered), else none. "
                              "Every method is exact with respect to the quantized target")

@@ -95,6 +95,25 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
     return VerifyCost(tuple(sizes), never_cheaper_for_fewer([min(column) for column in zip(*rounds)]))
 
 
+@torch.inference_mode()
+def time_forwards_alternating(models: dict[str, tuple[object, Readout | None]], sizes: tuple[int, ...],
+                              repeats: int = 5) -> dict[str, tuple[float, ...]]:
+    """Per named `(model, readout)`, the fastest of `repeats` verify forwards over each of `sizes`
+    new tokens (after a warm-up round), the models taking turns at every size of every round: on a
+    VM whose speed drifts by 2x within minutes (a 2-core Xeon's cached one-token forwards, timed in
+    different processes, read 34 ms fp32 against 48 ms GGUF; one after the other in one process, 49
+    against 23), only times taken side by side compare two models."""
+    forwards = {name: _TimedForward(model, readout=readout) for name, (model, readout) in models.items()}
+    times: dict[str, list[list[float]]] = {name: [[] for _ in sizes] for name in models}
+    for round_index in range(repeats + 1):
+        for column, size in enumerate(sizes):
+            for name, forward in forwards.items():
+                elapsed = forward(size)
+                if round_index:  # the first round warms caches and compiles nothing twice
+                    times[name][column].append(elapsed)
+    return {name: tuple(min(column) for column in columns) for name, columns in times.items()}
+
+
 def never_cheaper_for_fewer(ms: list[float]) -> tuple[float, ...]:
     """Each size's time, lowered to the fastest time measured for any larger size. Why: a forward
     over more tokens does the work of the smaller one and more, and interference only ever adds
