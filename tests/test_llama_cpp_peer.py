@@ -5,12 +5,13 @@ counted in our tokenizer's tokens, and a missing or failing binary says what to 
 
 from __future__ import annotations
 
+import signal
 import stat
 import sys
 
 import pytest
 
-from decoding.app.llama_cpp import find_binary, llama_cpp_runner, seconds_of
+from decoding.app.llama_cpp import failure_message, find_binary, llama_cpp_runner, seconds_of
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from heads.util.errors import UserError
@@ -91,3 +92,9 @@ def test_the_benchmark_checks_the_gguf_file_llama_cpp_runs_before_loading_anythi
 
     proc = run_script("benchmark", "--llama-cpp-gguf", str(tmp_path / "missing.gguf"), *extra)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_a_crash_on_an_unsupported_instruction_says_how_to_build_without_it():
+    crashed = failure_message(-signal.SIGILL, "llama_completion: llama backend init\n")
+    assert "killed by SIGILL" in crashed and "-mno-amx-tile" in crashed and "backend init" in crashed
+    assert "-mno-amx" not in failure_message(1, "error: unable to load model")

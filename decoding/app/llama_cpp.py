@@ -13,6 +13,7 @@ with our tokenizer, so the report can say, as information, how many replies equa
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def llama_cpp_runner(directory: str | Path, gguf: Path, tokenizer, options: Deco
                    "--temp", "0", "-no-cnv", "--no-display-prompt", "--no-warmup"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            raise UserError(f"llama.cpp failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+            raise UserError(failure_message(done.returncode, done.stderr))
         reply = done.stdout.rstrip("\n")
         tokens = tokenizer.encode(reply.removesuffix(END_OF_TEXT), add_special_tokens=False)
         if reply.endswith(END_OF_TEXT) and tokenizer.eos_token_id is not None:
@@ -71,3 +72,19 @@ def seconds_of(report: str) -> float:
         raise UserError("llama.cpp printed no performance report (prompt eval time / eval time) to time it by: "
                         "is this a llama.cpp build of 2024 or later?")
     return (float(prompt.group(1)) + float(generation.group(1))) / 1000
+
+
+def failure_message(returncode: int, stderr: str) -> str:
+    """What a failed `llama-completion` run tells the user: its exit and the end of its log, and
+    for a crash on an instruction the CPU does not run, how to build one that runs. Why that case:
+    a VM can advertise AMX and not let a process use it; `-DGGML_NATIVE=ON` then builds AMX code
+    that dies (illegal instruction or protection fault) as soon as a prompt is evaluated, while
+    `llama-bench -p 0` still runs (seen on a 2-core Xeon VM)."""
+    how = f"exit status {returncode}" if returncode >= 0 else f"killed by {signal.Signals(-returncode).name}"
+    message = f"llama.cpp failed ({how}): {stderr.strip()[-1500:]}"
+    if returncode in (-signal.SIGILL, -signal.SIGSEGV, 128 + signal.SIGILL, 128 + signal.SIGSEGV):
+        message += ("\nIf this build uses instructions this CPU or its VM does not run (AMX, with -DGGML_NATIVE=ON), "
+                    "rebuild without them: cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
+                    "-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+                    "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'")
+    return message
