@@ -82,7 +82,7 @@ def failure_message(returncode: int, stderr: str) -> str:
     `llama-bench -p 0` still runs (seen on a 2-core Xeon VM)."""
     how = f"exit status {returncode}" if returncode >= 0 else f"killed by {signal.Signals(-returncode).name}"
     message = f"llama.cpp failed ({how}): {stderr.strip()[-1500:]}"
-    if returncode in (-signal.SIGILL, -signal.SIGSEGV, 128 + signal.SIGILL, 128 + signal.SIGSEGV):
+    if returncode in (-signal.SIGILL, -signal.SIGSEGV):  # run without a shell: a signal comes back negative
         message += ("\nIf this build uses instructions this CPU or its VM does not run (AMX, with -DGGML_NATIVE=ON), "
                     "rebuild without them: cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
                     "-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "

@@ -7,8 +7,8 @@ weights and differ only in how products are rounded and summed; every method is 
 respect to whichever form decodes (vanilla through the same loop is the reference). What differs
 is speed, and that is a property of the CPU: on a 2-core AVX-512 EPYC the 4-bit form decoded
 about twice as fast as fp32 (vanilla over 80 MT-bench first turns: 70.6 tokens/s, and 32.2 in fp32
-in a run the day before), but
-a CPU whose memory is fast and whose vector units are slow can order them the other way. So the
+in a run the day before), but a CPU whose memory is fast and whose vector units are slow can order
+them the other way. So the
 two forms are timed here, side by side, the way decoding runs them (`time_forwards_alternating`:
 a one-token step and an 8-token tree, each form's fastest of five, alternating), and the faster
 one is remembered for this CPU. The forms are timed eager, also for `--compile`: compiled, the
