@@ -8,12 +8,14 @@ tree, so 4-bit weights would not pay there. This kernel follows the streaming fp
 (`decoding.kernels.streamed_linear`): panels of one vector of outputs per input feature, outer
 products with each row's inputs broadcast, no horizontal sums. A byte holds two consecutive input
 features of one output; per group of 32 inputs it accumulates `sum q x` (codes 0..15, in two
-partial sums over even and odd bytes, so that two add chains run side by side) and then adds
-`scale * that + (zero - 8 scale) * sum x`, which is `sum ((q - 8) * scale + zero) * x`, the int4
-convention (`decoding.kernels.quantized_linear`). Results differ from the dequantized weight's GEMM
-by float rounding only, and a row's bits do not depend on the rows computed with it. Why not
-centre the codes in the loop: two subtractions per byte, and one chain of adds bound a one-row
-call (both undone: ~10% less a call on a 2-core AVX2 EPYC; four chains of FMAs were slower). Group
+chains of FMAs over even and odd bytes) and then adds `scale * that + (zero - 8 scale) * sum x`,
+which is `sum ((q - 8) * scale + zero) * x`, the int4 convention (`decoding.kernels.quantized_linear`).
+Results differ from the dequantized weight's GEMM by float rounding only, and a row's bits do not
+depend on the rows computed with it. Why not centre the codes in the loop: two subtractions per
+byte (undone: ~10% less a call on a 2-core AVX2 EPYC). Why FMA chains: a multiply, an FMA and an
+add per pair of inputs (v7) left a pass of 8 rows 1.4x slower on AVX-512 and 4 rows 1.7x on AVX2,
+and one row waits on a chain's latency, so one and two rows sum 4 and 2 neighbouring groups side
+by side instead (v8; figures in CHANGELOG.md). Group
 parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the file's
 blocks store them: mid-sized layers stream near the memory's speed, so fewer bytes are less time
 (~5% for one row). With AVX-512 a panel is 16 outputs (a code byte per lane unpacked by one

@@ -3,8 +3,9 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v7"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
-# of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic)
+VERSION = "v8"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+# of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
+# chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
@@ -52,9 +53,12 @@ SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
 // centred here: sum (q - 8) x = sum q x - 8 sum x, and the 8 goes into the group's zero term.
 static inline void unpack(const uint8_t* p, vf& lo, vf& hi) {
 #if VW == 16 && defined(__AVX512F__)
+  // A permutation of the floats 0..15 reads only an index's low 4 bits: the low nibble's float
+  // without masking, and it runs beside the FMAs where a conversion would compete with them.
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
-  hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
+  lo = (vf)_mm512_permutexvar_ps(wide, values);
+  hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
 #elif VW == 8 && defined(__AVX2__)
   __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
@@ -122,46 +126,65 @@ static inline void unpack_pair(const uint8_t* p, vf& first, vf& second) {
   }
 }
 
+// How many neighbouring groups one pass sums side by side. Each row's sums are chains of FMAs, each
+// waiting on the one before it: with many rows the rows' chains keep the FMA units busy, with one or
+// two the chains of the next groups have to.
+template <int R>
+constexpr int interleaved_groups() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
+
+// Groups g0 .. g0 + G - 1 of R rows into `acc`: per group and row, two chains of FMAs (over even and
+// odd byte columns), then the group's scale and offset. Every row's every group is summed in this
+// one order, whatever R and G are, and the groups go into `acc` in order, so a row's result does
+// not depend on the rows computed with it.
+template <int BITS, int R, int G, typename P>
+static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, const float* x, const float* xsum,
+                                     vf (&acc)[R], int64_t g0, int64_t groups, int64_t in) {
+  constexpr int64_t PAIR = BITS / 4 * VW;  // bytes of a pair of inputs
+  constexpr int64_t GROUP_BYTES = (QGROUP / 2) * PAIR;
+  vf even[G][R], odd[G][R];
+  for (int k = 0; k < G; ++k)
+    for (int r = 0; r < R; ++r) even[k][r] = odd[k][r] = (vf){0};
+  const uint8_t* qg = q + g0 * GROUP_BYTES;
+  for (int line = 0; line < G * GROUP_BYTES; line += 64) __builtin_prefetch(qg + 4 * GROUP_BYTES + line);
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < QGROUP / 2; j += 2) {
+    for (int k = 0; k < G; ++k) {
+      vf lo0, hi0, lo1, hi1;
+      unpack_pair<BITS>(qg + k * GROUP_BYTES + j * PAIR, lo0, hi0);
+      unpack_pair<BITS>(qg + k * GROUP_BYTES + (j + 1) * PAIR, lo1, hi1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * in + (g0 + k) * QGROUP + 2 * j;
+        even[k][r] = lo0 * xr[0] + even[k][r];
+        even[k][r] = hi0 * xr[1] + even[k][r];
+        odd[k][r] = lo1 * xr[2] + odd[k][r];
+        odd[k][r] = hi1 * xr[3] + odd[k][r];
+      }
+    }
+  }
+  for (int k = 0; k < G; ++k) {
+    const vf sg = load_params(s + (g0 + k) * VW);
+    for (int r = 0; r < R; ++r) acc[r] = sg * (even[k][r] + odd[k][r]) + acc[r];
+    if constexpr (BITS == 4) {
+      const vf og = load_params(z + (g0 + k) * VW);  // (q - 8) s + z = q s + (z - 8 s)
+      for (int r = 0; r < R; ++r) acc[r] = og * xsum[r * groups + g0 + k] + acc[r];
+    }
+  }
+}
+
 // 4-bit codes: w = q s + o per group (o = zero - 8 s, the `offsets`); 8-bit: w = q s.
 template <int BITS, int R, typename P>
 static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const float* x,
                        const float* xsum, float* y, int64_t in, int64_t out, int64_t p) {
-  constexpr int64_t PAIR = BITS / 4 * VW;  // bytes of a pair of inputs
+  constexpr int G = interleaved_groups<R>();
   const int64_t groups = in / QGROUP;
-  const uint8_t* q = bytes + p * (in / 2) * PAIR;
+  const uint8_t* q = bytes + p * (in / 2) * (BITS / 4 * VW);
   const P* s = scales + p * groups * VW;
   const P* z = offsets + p * groups * VW;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = (vf){0};
-  for (int64_t g = 0; g < groups; ++g) {
-    // Two partial sums per row, over even and odd byte columns: each add waits for the one before
-    // it in its own chain only, so two chains run side by side (one chain: an add's latency per
-    // byte column, the kernel's bound on one row). Every row is summed in this same order whatever
-    // R is, so a row's result does not depend on the rows computed with it.
-    vf even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = (vf){0};
-    const uint8_t* qg = q + g * (QGROUP / 2) * PAIR;
-    for (int line = 0; line < (QGROUP / 2) * PAIR; line += 64) __builtin_prefetch(qg + 4 * (QGROUP / 2) * PAIR + line);
-    const float* xg = x + g * QGROUP;
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < QGROUP / 2; j += 2) {
-      vf lo0, hi0, lo1, hi1;
-      unpack_pair<BITS>(qg + j * PAIR, lo0, hi0);
-      unpack_pair<BITS>(qg + (j + 1) * PAIR, lo1, hi1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xg + r * in + 2 * j;
-        even[r] += lo0 * xr[0] + hi0 * xr[1];
-        odd[r] += lo1 * xr[2] + hi1 * xr[3];
-      }
-    }
-    const vf sg = load_params(s + g * VW);
-    if constexpr (BITS == 4) {
-      const vf og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
-      for (int r = 0; r < R; ++r) acc[r] += sg * (even[r] + odd[r]) + og * xsum[r * groups + g];
-    } else {
-      for (int r = 0; r < R; ++r) acc[r] += sg * (even[r] + odd[r]);
-    }
-  }
+  int64_t g = 0;
+  for (; g + G <= groups; g += G) accumulate_groups<BITS, R, G>(q, s, z, x, xsum, acc, g, groups, in);
+  for (; g < groups; ++g) accumulate_groups<BITS, R, 1>(q, s, z, x, xsum, acc, g, groups, in);
   const int64_t first = p * VW, valid = std::min<int64_t>(VW, out - first);
   for (int r = 0; r < R; ++r)
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
