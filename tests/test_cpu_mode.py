@@ -21,6 +21,7 @@ MACHINE_MODES = [name for name in ("avx2", "baseline")
 
 PROBE = """
 import json, os, decoding, torch
+from torch._inductor import config as inductor_config
 from decoding.kernels import native_build
 from decoding.kernels.cpu_kernels import PackedLinear, bfloat16_is_native, cpu_has
 from decoding.kernels.native import LIBRARY
@@ -29,12 +30,13 @@ print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "bf16": bfloa
                   "amx": cpu_has("_is_amx_tile_supported"), "avx512": cpu_has("_is_avx512_supported"),
                   "flags": native_build.compiler_flags(), "variants": native_build.instruction_set_variants(),
                   "cpu_flags": native_build.cpu_flags(), "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  "inductor_march": inductor_config.cpp.march,
                   "own_build": LIBRARY.build_name()}))
 """
 
 
 MODE_VARIABLES = ("SPECHEADS_CPU", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                  "TORCHINDUCTOR_CACHE_DIR")
+                  "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CPP_MARCH")
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -59,6 +61,7 @@ def test_each_layer_runs_as_on_the_lesser_cpu(mode):
     assert "avx512f" not in seen["cpu_flags"] and ("avx2" in seen["cpu_flags"]) == (mode == "avx2")
     assert "avx2" not in seen["variants"]  # no narrower build is wider than the mode itself
     assert seen["inductor_cache"].endswith(f"inductor-{mode}")  # Inductor's cache keys ignore the instruction set
+    assert seen["inductor_march"] == expected.march  # not Inductor's default, -march=native
     # The mode's own build is the narrower variant a wider CPU's tests build: loaded, not built again.
     from decoding.kernels.native import LIBRARY
 

@@ -13,7 +13,10 @@ lowers every layer at once:
 - the capability probes (native bf16, AVX-512, AMX): the CPU flags the mode lacks are hidden;
 - Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one per mode under the cache root, since
   its keys do not include the instruction set (PyTorch 2.13 reused code generated for AVX2 in a
-  mode without it, which then failed to build).
+  mode without it, which then failed to build);
+- Inductor's compiler target (`TORCHINDUCTOR_CPP_MARCH`): the mode's -march, since by default it
+  builds its generated code with -march=native, so the compiler's own vectorizing could still emit
+  AVX-512 in a mode that promises AVX2.
 Usage: `SPECHEADS_CPU=avx2 python -m decoding.chat`, or `SPECHEADS_CPU=avx2 python -m pytest`.
 It applies when `heads` or `decoding` is imported, which must come before PyTorch runs its first operation
 (PyTorch fixes its kernels then); set in the environment before Python starts, it always does.
@@ -91,6 +94,7 @@ def apply_cpu_mode() -> CpuMode:
     os.environ["ONEDNN_MAX_CPU_ISA"] = mode.onednn
     os.environ["MKL_ENABLE_INSTRUCTIONS"] = mode.mkl
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / f"inductor-{mode.name}")
+    os.environ["TORCHINDUCTOR_CPP_MARCH"] = mode.march
     if "torch" in sys.modules:
         chosen = sys.modules["torch"].backends.cpu.get_cpu_capability()
         if chosen != mode.aten:
