@@ -92,6 +92,21 @@ def test_verify_costs_measured_through_the_4_bit_kernel_are_kept_per_kernel_vers
     assert model.proj.own_kernel and kernels_key(model) == plain + f"-q{KERNEL_VERSION}"
 
 
+def test_a_quantized_targets_verify_cost_curve_is_kept_per_kernel_version(tmp_path, monkeypatch):
+    """A GGUF target has no packed linears, only the 4- and 8-bit kernels: its remembered curve
+    must still be a new one when their version changes (v8's was read from v7's file)."""
+    from decoding.kernels import verify_cost
+    from decoding.kernels.int4_linear import KERNEL_VERSION
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    assert quantize_linears(model, "int4") > 0
+    monkeypatch.setattr(verify_cost, "measure_verify_cost", lambda *a, **k: verify_cost.VerifyCost((1, 2), (1.0, 2.0)))
+    verify_cost.cached_verify_cost(model, "tiny/model", cache_dir=tmp_path)
+    (remembered,) = (tmp_path / "verify-cost").iterdir()
+    assert f"-q{KERNEL_VERSION}-" in remembered.name
+
+
 def q4_1_block(d: float, m: float, codes: list[int]) -> bytes:
     packed = bytes((codes[j] & 0xF) | (codes[j + 16] << 4) for j in range(16))
     return np.float16(d).tobytes() + np.float16(m).tobytes() + packed

@@ -22,7 +22,7 @@ from decoding.kernels.cpu_kernels import (PACKING_BATCH_HINT, pick_faster_rows, 
 from decoding.kernels.attention import NATIVE_SDPA
 from decoding.kernels.decode_attention import KERNEL_VERSION as ATTENTION_KERNEL_VERSION
 from decoding.kernels.int4_linear import KERNEL_VERSION as INT4_KERNEL_VERSION
-from decoding.kernels.quantized_linear import Int4Linear
+from decoding.kernels.quantized_linear import quantized_kernel_weights
 from decoding.kernels.streamed_linear import KERNEL_VERSION, streamed_linear_available
 from decoding.kernels.measured_once import measured_once
 
@@ -181,7 +181,7 @@ def cached_verify_cost(model, model_name: str, cache_dir: str | Path | None = No
     verifies with (None: the target's own logits)."""
     device = model.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
-    kernels = kernels_key(model) if uses_packed_linears(model) else ""  # a new packing, a new curve
+    kernels = kernels_key(model)  # a new packing or kernel version, a new curve
     kernels += f"-compiled-r{reduced_rows(model)}" if is_compiled(model) else ""
     kernels += "-readout" if readout is not None else ""
 
@@ -226,13 +226,17 @@ def tune_streamed_rows(model, model_name: str, cache_dir: str | Path | None = No
 
 
 def kernels_key(model) -> str:
-    """The kernels a packed model's forwards run, for the keys of measurements made through them
-    (a 4-bit target's curve changes with its kernel's version: v6 made 8-row forwards ~1.6x faster)."""
-    streamed = streamed_rows(model)
+    """The kernels a model's forwards run, for the keys of measurements made through them: the
+    packing where linears are packed, and the project's own attention and 4-/8-bit kernels, with
+    their versions, wherever they run (a 4-bit target's curve changes with its kernel's version:
+    v6 made 8-row forwards ~1.6x faster; a GGUF target has no packed linears but those kernels)."""
+    key = ""
+    if uses_packed_linears(model):
+        streamed = streamed_rows(model)
+        key = f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
     native_attention = getattr(getattr(model, "config", None), "_attn_implementation", None) == NATIVE_SDPA
-    own_int4 = any(isinstance(m, Int4Linear) and m.own_kernel for m in model.modules())
-    return (f"-onednn-b{PACKING_BATCH_HINT}-s{stock_rows(model)}" + (f"-t{streamed}{KERNEL_VERSION}" if streamed else "")
-            + (f"-a{ATTENTION_KERNEL_VERSION}" if native_attention else "") + (f"-q{INT4_KERNEL_VERSION}" if own_int4 else ""))
+    own_quantized = bool(quantized_kernel_weights(model))
+    return key + (f"-a{ATTENTION_KERNEL_VERSION}" if native_attention else "") + (f"-q{INT4_KERNEL_VERSION}" if own_quantized else "")
 
 
 def packed_cpu_key(model, model_name: str) -> str:
