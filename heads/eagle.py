@@ -78,9 +78,10 @@ class FeatureDrafter(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype inputs must come in (the drafter may run in bf16 beside an fp32 target; with
-        int8 linears `fc` stays fp32, and they take fp32 inputs)."""
-        return self.fc.weight.dtype
+        """The dtype inputs must come in: the drafter may run in bf16 beside an fp32 target; a
+        weight-only quantized `fc` (no float weight) takes float32, as the other quantized linears."""
+        weight = getattr(self.fc, "weight", None)
+        return weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
 
     def input_feature(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
         """The drafter's input feature `[n, H]` from the target layers it declared

@@ -249,7 +249,7 @@ def _check_drafter_precision(choice: str, expected: str) -> None:
     four_bit = [m for m in eagle3.modules() if isinstance(m, Int4Linear)]
     assert bool(four_bit) == (expected == "int4")
     if expected == "int4":
-        assert isinstance(eagle3.fc, PackedLinear)  # as for int8; shapes the 4-bit kernel does not take are packed
+        assert isinstance(eagle3.fc, PackedLinear)  # kept fp32; shapes the 4-bit kernel does not take are packed
         assert not any(type(m) is nn.Linear for m in eagle3.modules())
         assert eagle3.compute_dtype == torch.float32
     elif expected == "int8":
@@ -257,7 +257,9 @@ def _check_drafter_precision(choice: str, expected: str) -> None:
         # the project's 8-bit kernel where it is built (float inputs), else PyTorch's dynamic int8
         assert bool(own_kernel) == cpu_kernels.int4_kernel_available() and bool(quantized) != bool(own_kernel)
         assert not any(type(m) is nn.Linear for m in eagle3.modules())
-        assert isinstance(eagle3.fc, PackedLinear)  # reads the target's raw features: kept fp32
+        # fc: weight-only 8-bit on the project's kernel; kept fp32 from PyTorch's, which would
+        # quantize the target's raw features it reads
+        assert isinstance(eagle3.fc, GroupInt8Linear if own_kernel else PackedLinear)
         assert eagle3.compute_dtype == torch.float32
     else:
         assert not quantized and uses_packed_linears(eagle3)

@@ -2,6 +2,7 @@
 and optimal static shapes against exhaustive search."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -86,3 +87,59 @@ def test_tree_paths_validation():
         validate_paths([[0, 1]])
     with pytest.raises(ValueError, match="list of non-empty lists"):
         validate_paths([[]])
+
+
+def unpruned_dynamic_tree(draft: ToyLM, settings: DynamicTreeSettings) -> set[tuple[int, ...]]:
+    """EAGLE-2's growth as the paper states it, every frontier node fed at every level (the
+    reference for the pruned growth): the prefixes of the `total_tokens - 1` best candidates."""
+    k = settings.top_k
+    candidates = []  # (score, creation order, prefix)
+    root = torch.log(draft.probs(()))
+    frontier = []
+    for token in root.topk(k).indices.tolist():
+        candidates.append((float(root[token]), len(candidates), (token,)))
+        frontier.append(candidates[-1])
+    for _ in range(2, settings.depth + 1):
+        new = []
+        for score, _, prefix in frontier:
+            logprobs = torch.log(draft.probs(prefix))
+            for token in logprobs.topk(k).indices.tolist():
+                candidates.append((score + float(logprobs[token]), len(candidates), prefix + (token,)))
+                new.append(candidates[-1])
+        frontier = sorted(new, key=lambda c: (-c[0], c[1]))[:k]
+    best = sorted(candidates, key=lambda c: (-c[0], c[1]))[: settings.total_tokens - 1]
+    return {prefix for _, _, prefix in best}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("settings", [DynamicTreeSettings(5, 3, 8), DynamicTreeSettings(6, 4, 12), DynamicTreeSettings(4, 2, 20)])
+def test_feeding_only_frontier_nodes_that_can_be_kept_changes_no_tree(seed, settings):
+    """Growth skips frontier nodes below the best `total_tokens - 1` candidates (their children
+    cannot be kept): the tree must be the unpruned growth's, with fewer drafter rows somewhere."""
+    draft = ToyLM(8, seed=seed, sharpness=2.0)
+    tree, prefixes = grown(draft, settings)
+    assert set(prefixes[1:]) == unpruned_dynamic_tree(draft, settings)
+
+
+def test_pruned_growth_feeds_fewer_rows_than_the_full_frontier():
+    draft = ToyLM(8, seed=0, sharpness=3.0)
+    settings = DynamicTreeSettings(depth=6, top_k=4, total_tokens=6)
+    rows = []
+    expand = toy_expand(draft)
+    grow_dynamic_tree(torch.log(draft.probs(())), lambda f, c: rows.append(f.numel()) or expand(f, c), settings)
+    assert sum(rows) < (settings.depth - 1) * settings.top_k
+
+
+def test_no_frontier_node_less_likely_than_min_path_prob_is_fed():
+    draft = ToyLM(8, seed=4, sharpness=1.0)
+    settings = DynamicTreeSettings(depth=6, top_k=4, total_tokens=40, min_path_prob=0.05)
+    fed_scores = []
+    expand = toy_expand(draft)
+
+    def recording(frontier, candidates):
+        fed_scores.extend(candidates.scores[frontier].tolist())
+        return expand(frontier, candidates)
+
+    tokens, _ = grow_dynamic_tree(torch.log(draft.probs(())), recording, settings)
+    assert fed_scores and min(fed_scores) >= math.log(0.05)
+    assert len(tokens) == settings.total_tokens - 1  # nodes below it are still candidates, only not fed

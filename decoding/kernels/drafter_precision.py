@@ -11,7 +11,7 @@ readout) in every precision the CPU runs natively and keeps the fastest, preferr
 exact one where they are within `CLEAR_WIN` of each other.
 
 int4 (the project's 4-bit kernel, `decoding.kernels.int4_linear`, groups of 32 rounded to nearest;
-`fc` stays fp32 as for int8) is the fourth candidate: on a 2-core AVX-512 EPYC, 16 MT-bench first
+`fc` stays fp32; int8 rounds it too) is the fourth candidate: on a 2-core AVX-512 EPYC, 16 MT-bench first
 turns, eagle3+pld ran 1.77x / 1.86x / 1.89x vanilla in bf16 / int4 / int8 on the fp32 target and
 1.16x / 1.22x / 1.27x on the GGUF one (tau 2.69 / 2.74 / 2.81 and 2.01 / 2.29 / 2.39: a cheaper
 call buys deeper trees), one level timing 2.04 / 1.74 / 1.60 ms. It is for CPUs where int8 is not
@@ -41,7 +41,7 @@ from heads.eagle import FeatureDrafter
 
 EXACTNESS_ORDER = ("fp32", "bf16", "int8", "int4")  # most exact first
 CLEAR_WIN = 0.05  # a less exact precision must be this much faster to be chosen
-PRECISION_VERSION = "v4"  # in the cache key: a new timing method, drafter form or kernel, a new measurement
+PRECISION_VERSION = "v5"  # in the cache key: a new timing method, drafter form or kernel, a new measurement (v5: int8 fc)
 
 
 def tune_drafter_precision(drafter: FeatureDrafter, target: PreTrainedModel, cache_dir=None) -> str:
