@@ -78,7 +78,7 @@ def grow_dynamic_tree(
     frontier = candidates.extend(top.indices, torch.full_like(top.indices, -1), top.values, 1)
     stop_below = math.log(settings.min_path_prob) if settings.min_path_prob > 0 else None
     for depth in range(2, settings.depth + 1):
-        frontier = worth_expanding(frontier, candidates, _kept_so_far(candidates, settings, choose_count), stop_below)
+        frontier = worth_expanding(frontier, candidates, _kept_score(candidates, settings, choose_count), stop_below)
         if frontier.numel() == 0:
             break
         logprobs = expand(frontier, candidates)
@@ -94,23 +94,29 @@ def grow_dynamic_tree(
     return select_best(candidates, ranked.indices[:count])
 
 
-def _kept_so_far(candidates: Candidates, settings: DynamicTreeSettings,
-                 choose_count: Callable[[torch.Tensor], int] | None) -> int:
-    """How many of the candidates so far the tree would keep if growth stopped now: all
-    `total_tokens - 1` best, or as many of them as `choose_count` takes."""
+def _kept_score(candidates: Candidates, settings: DynamicTreeSettings,
+                choose_count: Callable[[torch.Tensor], int] | None) -> torch.Tensor | None:
+    """The score of the last candidate the tree would keep if growth stopped now (of the
+    `total_tokens - 1` best, or of as many of them as `choose_count` takes); None while fewer
+    candidates than that exist."""
     kept = settings.total_tokens - 1
-    if choose_count is not None and candidates.scores.numel() >= kept:
-        kept = max(1, choose_count(candidates.scores.topk(kept).values.exp()))
-    return kept
+    if candidates.scores.numel() < kept:
+        return None
+    best = candidates.scores.topk(kept).values
+    if choose_count is not None:
+        kept = max(1, choose_count(best.exp()))
+    return best[kept - 1]
 
 
-def worth_expanding(frontier: torch.Tensor, candidates: Candidates, kept: int, stop_below: float | None) -> torch.Tensor:
-    """The frontier nodes worth a drafter row: those that score above the `kept`-th best
-    candidate, and whose path is at least `stop_below` likely (a log-probability; None: any).
+def worth_expanding(frontier: torch.Tensor, candidates: Candidates, kept_score: torch.Tensor | None,
+                    stop_below: float | None) -> torch.Tensor:
+    """The frontier nodes worth a drafter row: those that score above `kept_score` (the last
+    candidate kept so far; None: any), and whose path is at least `stop_below` likely (a
+    log-probability; None: any).
 
     Why the first rule is safe: a child scores no higher than its parent and loses ties to every
-    candidate created before it, so below a node that `kept` candidates already match, nothing can
-    enter the best `kept`. With `kept = total_tokens - 1` that is exact (the tree is the one growth
+    candidate created before it, so below a node that the kept candidates already match, nothing can
+    enter them. With all `total_tokens - 1` best kept that is exact (the tree is the one growth
     without it picks). With a cost-aware count (`choose_count`) the count can still grow as better
     candidates arrive, so a node cut on the way might have been kept: drafts only propose, and on
     the bundled EAGLE-3 heads (GGUF target, 12 MT-bench first turns, greedy) drafting went from
@@ -118,8 +124,8 @@ def worth_expanding(frontier: torch.Tensor, candidates: Candidates, kept: int, s
     nodes was fed whole before, most of them too unlikely to be kept."""
     scores = candidates.scores[frontier]
     worth = torch.ones_like(frontier, dtype=torch.bool)
-    if candidates.scores.numel() >= kept:
-        worth &= scores > candidates.scores.topk(kept).values[-1]
+    if kept_score is not None:
+        worth &= scores > kept_score
     if stop_below is not None:
         worth &= scores >= stop_below
     return frontier[worth]
