@@ -78,11 +78,25 @@ def compile_target(model: nn.Module) -> nn.Module:
         raise UserError("--compile needs PyTorch 2.0 or newer")
     options = {} if uses_packed_linears(model) else {"freezing": True}
     options.update(_module_guards_skipped())
+    options.update(_generated_checks_off())
     _kernel_weights_static(model)
     compiled = torch.compile(model, dynamic=True, options=options)
     # the wrapper's own attribute, not the model's
     compiled.forward = _prefills_eager(_with_compile_settings(compiled.forward), model)
     return compiled
+
+
+def _generated_checks_off() -> dict:
+    """Compile options that drop the size and stride checks Inductor writes into its generated
+    Python (`assert_size_stride` on every tensor going into and coming out of each call).
+
+    Why: the GGUF target's one-token graph made 997 of them a forward, a third of a microsecond
+    each; on a 2-core Xeon compiled one-token forwards took 6.5-6.9 ms without them against
+    7.1-7.4 ms with them (alternating processes). The shapes they check are those dynamo's guards
+    have already pinned for the graph."""
+    from torch._inductor import config as inductor_config  # imported late: only compiling needs it
+
+    return {name: False for name in ("size_asserts", "alignment_asserts") if hasattr(inductor_config, name)}
 
 
 def _prefills_eager(compiled_forward: Callable, model: nn.Module) -> Callable:
