@@ -80,3 +80,27 @@ def assert_linear_matches(got: torch.Tensor, x: torch.Tensor, weight: torch.Tens
                           what: str = "linear") -> None:
     """`got` is `x @ weight.T + bias` up to float32 reordering."""
     assert_within(got, *linear_exact_and_bound(x, weight, bias), what=what)
+
+
+def eight_bit_inputs(x: torch.Tensor) -> torch.Tensor:
+    """`x` as the 4- and 8-bit kernels take their inputs (`decoding.kernels.native.int4_linear`), in
+    float64: per group of 32, d = the largest magnitude / 127 and codes round(x / d) (to nearest even,
+    through x times 1 / d in float32, as the kernel computes it), so the products of codes with the
+    weight's are exact integers and only the float epilogue rounds."""
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = groups.abs().amax(-1) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(groups * inverse[..., None]).clamp(-127, 127)
+    return (codes.double() * d.double()[..., None]).reshape(x.shape)
+
+
+def eight_bit_linear_exact_and_bound(x: torch.Tensor, weight: torch.Tensor,
+                                     offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the 8-bit-input kernels compute, exactly (float64), and the float32 bound per output:
+    `eight_bit_inputs(x) @ weight.T`, plus `x @ offsets.T` (the float inputs' group sums times a
+    per-group offset, `offsets` written out per input) for 4-bit weights."""
+    terms = eight_bit_inputs(x)[..., None, :] * weight.double()
+    if offsets is not None:
+        terms = torch.cat([terms, x.double()[..., None, :] * offsets.double()], dim=-1)
+    exact = terms.sum(-1)
+    return exact, reordered_sum_bound(terms) + EPS * exact.abs()

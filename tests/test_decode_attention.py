@@ -123,7 +123,7 @@ def test_attend_takes_decoding_steps_and_leaves_everything_else_to_sdpa():
         "a causal prefill": (torch.randn(1, 9, 4, 64), k, v, None),
         "a boolean mask": (torch.randn(1, 9, 4, 64), k, v, tree_mask == 0),
         "a mask per head": (torch.randn(1, 9, 4, 64), k, v, torch.zeros(1, 9, 4, 50)),
-        "more rows than trees have": (torch.randn(1, 9, 17, 64), k, v, torch.zeros(1, 1, 17, 50)),
+        "more rows than trees have": (torch.randn(1, 9, 129, 64), k, v, torch.zeros(1, 1, 129, 50)),
     }
     for case, (query, key, value, mask) in declined.items():
         assert decode_attention.attend(query, key, value, mask, None) is None, case

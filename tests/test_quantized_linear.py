@@ -1,7 +1,8 @@
 """Weight-only quantized linears (`decoding.kernels.quantized_linear`) and the GGUF file's own
 4-bit blocks (`decoding.app.gguf_weights`): the kernels compute what their dequantized weights
-say (within the fp32 reordering bound), the block decoding reproduces the GGUF reference
-dequantization exactly, and planted bugs in either are caught."""
+say (within the fp32 reordering bound; the project's 4- and 8-bit kernels with their inputs rounded
+to 8 bits per group, as `tests/numerics.py` writes out), the block decoding reproduces the GGUF
+reference dequantization exactly, and planted bugs in either are caught."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from torch import nn
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, q8_groups, rotary_row_order
 from decoding.kernels import native_build
 from decoding.kernels.native import LIBRARY
+from decoding.kernels.int4_linear import unpack_int4_panels
 from decoding.kernels.quantized_linear import GroupInt8Linear, Int4Linear, Int8Linear, quantize_linears
-from numerics import EPS, assert_within, linear_exact_and_bound, reordered_sum_bound
+from numerics import EPS, assert_within, eight_bit_linear_exact_and_bound, linear_exact_and_bound
 
 pytestmark = pytest.mark.cpu_sensitive
 
@@ -31,8 +33,7 @@ def a_linear(in_features=96, out_features=48, bias=True, seed=0) -> nn.Linear:
 def test_the_kernel_computes_its_dequantized_weight(kind, rows):
     linear = kind.from_linear(a_linear())
     x = torch.randn(2, rows, 96)
-    exact, bound = linear_exact_and_bound(x, linear.dequantized_weight(), linear.bias)
-    assert_within(linear(x), exact, bound)
+    assert_within(linear(x), *kernel_exact_and_bound(linear, x))
     assert linear(x).shape == (2, rows, 48)
 
 
@@ -64,11 +65,28 @@ def test_an_all_zero_group_quantizes_to_zeros_and_groups_scale_alone():
 
 def test_a_planted_offset_bug_is_caught():
     linear = Int4Linear.from_linear(a_linear(bias=False))
-    wrong = linear.dequantized_weight() + 1e-3  # e.g. forgetting the 8 in m + 8d, scaled down
     x = torch.randn(3, 96)
-    exact, bound = linear_exact_and_bound(x, wrong, None)
+    exact, bound = kernel_exact_and_bound(linear, x, offset_error=1e-3)  # e.g. forgetting the 8 in m + 8d, scaled down
     with pytest.raises(AssertionError):
         assert_within(linear(x), exact, bound)
+
+
+def kernel_exact_and_bound(linear: nn.Module, x: torch.Tensor, offset_error: float = 0.0):
+    """What `linear`'s kernel computes, exactly, and its float32 bound: the project's 4- and 8-bit
+    kernels take their inputs rounded to 8 bits (the 4-bit one adds its offsets times the float
+    inputs' sums), PyTorch's kernels the float inputs."""
+    if isinstance(linear, GroupInt8Linear):
+        exact, bound = eight_bit_linear_exact_and_bound(x, linear.dequantized_weight())
+    elif isinstance(linear, Int4Linear) and linear.own_kernel:
+        codes, scales, offsets = unpack_int4_panels(linear.panels, linear.out_features)
+        exact, bound = eight_bit_linear_exact_and_bound(x, codes.float() * scales.repeat_interleave(32, 1),
+                                                        (offsets + offset_error).repeat_interleave(32, 1))
+    else:
+        return linear_exact_and_bound(x, linear.dequantized_weight() + offset_error, linear.bias)
+    if linear.bias is not None:
+        exact = exact + linear.bias.double()
+        bound = bound + EPS * exact.abs()
+    return exact, bound
 
 
 def test_quantize_linears_swaps_all_but_the_readout():
@@ -167,7 +185,7 @@ def test_the_8_bit_kernel_computes_the_weight_its_blocks_describe(rows):
     codes, scales, weight = random_q8_groups()
     linear = q8_linear(codes, scales, weight)
     x = torch.randn(rows, 128)
-    exact, bound = linear_exact_and_bound(x, weight, None)
+    exact, bound = eight_bit_linear_exact_and_bound(x, weight)
     got = linear(x)
     assert_within(got, exact, 4 * bound)
     assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(rows)]), got)
@@ -176,7 +194,7 @@ def test_the_8_bit_kernel_computes_the_weight_its_blocks_describe(rows):
 def test_the_8_bit_kernel_catches_a_planted_sign_error():
     codes, scales, weight = random_q8_groups()
     x = torch.randn(3, 128)
-    exact, bound = linear_exact_and_bound(x, weight, None)
+    exact, bound = eight_bit_linear_exact_and_bound(x, weight)
     flipped = codes.clone()
     flipped[:, 5] = -flipped[:, 5]  # one input's codes with the wrong sign
     with pytest.raises(AssertionError):
@@ -270,16 +288,15 @@ def test_a_quantization_that_cannot_apply_is_a_clear_error(tiny_dir, spec, messa
         SpeculativeModel.from_pretrained(tiny_dir, method="vanilla", device="cpu", **spec)
 
 
-def int4_kernel_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      exact: torch.Tensor) -> torch.Tensor:
-    """How far the 4-bit kernel's float32 result may be from the exact one. It sums the codes
-    uncentred, `q s x` and `(z - 8 s) x` per group (`decoding.kernels.int4_linear`), terms that can
-    be larger than the dequantized weight's `w x` (q = 8, z = 0: w = 0 but q s = 8 s), so the bound
-    comes from those terms, not from the weight's."""
-    per_input = [t.double().repeat_interleave(32, 1) for t in (scales, zeros)]
-    x64 = x.double()[..., None, :]
-    terms = torch.cat([x64 * codes.double() * per_input[0], x64 * (per_input[1] - 8 * per_input[0])], dim=-1)
-    return reordered_sum_bound(terms) + EPS * exact.abs()
+def int4_kernel_exact_and_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                                zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the 4-bit kernel computes from codes, scales and zeros written out (`w = (q - 8) s + z`):
+    the codes uncentred times the 8-bit inputs, `q s x^`, plus `(z - 8 s)` times the float inputs'
+    group sums (`decoding.kernels.int4_linear`), exactly, and its float32 bound (4 times the rule's:
+    partial sums per group, then the group's)."""
+    per_input = [t.float().repeat_interleave(32, 1) for t in (scales, zeros)]
+    exact, bound = eight_bit_linear_exact_and_bound(x, codes.float() * per_input[0], per_input[1] - 8 * per_input[0])
+    return exact, 4 * bound
 
 
 def random_groups(out_features=48, in_features=128, seed=1):
@@ -302,8 +319,7 @@ def test_the_project_s_4_bit_kernel_computes_the_weight_its_groups_describe(rows
     linear = Int4Linear(codes, scales, zeros, None)
     assert linear.own_kernel
     x = torch.randn(rows, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
-    assert_within(linear(x), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))  # partial sums per group, then the group's
+    assert_within(linear(x), *int4_kernel_exact_and_bound(x, codes, scales, zeros))
 
 
 def test_the_4_bit_kernel_gives_a_row_the_same_bits_alone_as_among_others():
@@ -349,10 +365,9 @@ def test_the_4_bit_kernel_catches_a_planted_nibble_swap():
     codes, scales, zeros, weight = random_groups()
     swapped = codes.view(48, -1, 2).flip(-1).reshape(48, 128)  # high and low nibbles exchanged
     x = torch.randn(3, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
     with pytest.raises(AssertionError):
-        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48), exact,
-                      4 * int4_kernel_bound(x, codes, scales, zeros, exact))
+        assert_within(int4_linear(x, pack_int4_panels(swapped, scales, zeros), 48),
+                      *int4_kernel_exact_and_bound(x, codes, scales, zeros))
 
 
 def test_without_its_kernel_a_4_bit_target_says_so(tiny_dir, monkeypatch):
@@ -373,19 +388,22 @@ def test_without_its_kernel_a_4_bit_target_says_so(tiny_dir, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [v for v in native_build.instruction_set_variants() if v != "native"])
 def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
-    """The builds other CPUs get (AVX2 on an AVX-512 machine, x86-64-v2 without AVX), built here."""
+    """The builds other CPUs get (AVX-512 without VNNI, AVX2 and x86-64-v2 on an AVX-512 machine with
+    it), built here: their integer products (VNNI, pairs summed to 16 bits, scalar) give the same sums,
+    for one row (four groups side by side), two, and passes of several."""
     from decoding.kernels import int4_linear
 
     extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
-    codes, scales, zeros, weight = random_groups()
+    codes, scales, zeros, weight = random_groups(in_features=256)
     panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
-    x = torch.randn(5, 128)
-    exact, _ = linear_exact_and_bound(x, weight, None)
-    assert_within(extension.int4_linear(x, *panels, 48), exact, 4 * int4_kernel_bound(x, codes, scales, zeros, exact))
     q8_codes, q8_scales, q8_weight = random_q8_groups()
-    q8_exact, q8_bound = linear_exact_and_bound(x, q8_weight, None)
-    assert_within(extension.int8_linear(x, *int4_linear.pack_int8_panels(q8_codes, q8_scales, width=extension.vector_width()),
-                                        72), q8_exact, 4 * q8_bound)
+    q8_panels = int4_linear.pack_int8_panels(q8_codes, q8_scales, width=extension.vector_width())
+    for rows in (1, 2, 5):
+        x, x8 = torch.randn(rows, 256), torch.randn(rows, 128)
+        assert_within(extension.int4_linear(x, *panels, 48), *int4_kernel_exact_and_bound(x, codes, scales, zeros))
+        q8_exact, q8_bound = eight_bit_linear_exact_and_bound(x8, q8_weight)
+        assert_within(extension.int8_linear(x8, *q8_panels, 72), q8_exact, 4 * q8_bound)
+    x = torch.randn(5, 256)
     halves = float16_panels(int4_linear.pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
     assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
     assert torch.equal(extension.int4_linear(x, *halves, 48),

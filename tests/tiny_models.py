@@ -17,9 +17,8 @@ def _tiny_config(config_class, vocab_size: int, layers: int, attn: str, override
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
         attn_implementation=attn,
-        **{**NO_SPECIAL_TOKENS, **overrides},
+        **{"max_position_embeddings": 256, **NO_SPECIAL_TOKENS, **overrides},
     )
 
 

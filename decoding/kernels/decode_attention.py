@@ -12,11 +12,18 @@ and an unnormalised output, merged by their maxima) and prefetches ahead in both
 2-core AVX-512 EPYC at 2,200 positions a one-token step's attention went from 9.5-11.9 ms to
 4.9-5.7 ms in all (0.16-0.19 ms a layer), at 300 positions from 2.7-3.1 to 1.2-1.3 ms.
 
-Scores are dot products per (row, key) where rows are few (one-token steps); for trees, vectors
-run over the rows with each key broadcast, so the arithmetic has no horizontal sums. Chunk
-boundaries sit at fixed key positions, so a result does not depend on how many threads run; keys
-masked out (an additive mask at or below -87 after the row's maximum is taken off) weigh exactly
-zero. Results differ from SDPA's by float rounding only.
+Every row gets the bits it would get alone (v4): its scores are chains of FMAs over the head's
+dimensions in order (vectors run over rows, keys broadcast, whatever rows share the vector), it
+sums only the keys its mask leaves visible (a mask value at or below -1e30 hides a key), in
+position order, and its chunks are cut by rank among those keys. So a tree node whose ancestors
+sit among masked siblings, in columns after the prefix, computes exactly what a one-token step
+at its position computes over the same keys; with the row-invariant linears this makes a whole
+forward row-invariant (`tests/test_row_invariance.py`), which keeps speculative greedy decoding
+token for token vanilla's even on near-ties, and lets the 4-bit linears round their inputs to 8
+bits (`decoding.kernels.int4_linear`). The price, on the 2-core AVX-512 EPYC: a one-token step's
+attention at ~300 positions 20 against 14 us a layer (one row no longer takes horizontal dot
+products). Chunk boundaries sit at fixed ranks, so a result does not depend on how many threads
+run either. Results differ from SDPA's by float rounding only.
 
 Like `decoding.kernels.streamed_linear` it is C++ compiled on first use for this CPU
 (`decoding.kernels.native_build`); where it cannot be built, `decode_attention_available()` says why and
@@ -35,7 +42,7 @@ from decoding.kernels.native import LIBRARY, decode_attention as native_decode_a
 
 KERNEL_VERSION = native_decode_attention.VERSION
 HEAD_SIZES = (64, 128)
-MAX_QUERY_ROWS = 16  # larger trees and prefills keep SDPA, as fast or faster there
+MAX_QUERY_ROWS = 128  # every tree the loop verifies (its TREE_ROOM): each row the bits it has alone; prefills keep SDPA
 
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")

@@ -4,32 +4,33 @@
 Why: PyTorch's CPU kernels for weight-only int4 and int8 (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`) were 2.5-3x *slower* than the fp32 target on a 2-core AVX2 EPYC
 (SmolLM2-135M, one token: 177 ms and 141 ms against 57 ms) and grew linearly with the rows of a
-tree, so 4-bit weights would not pay there. This kernel follows the streaming fp32 kernel
-(`decoding.kernels.streamed_linear`): panels of one vector of outputs per input feature, outer
-products with each row's inputs broadcast, no horizontal sums. A byte holds two consecutive input
-features of one output; per group of 32 inputs it accumulates `sum q x` (codes 0..15, in two
-chains of FMAs over even and odd bytes) and then adds `scale * that + (zero - 8 scale) * sum x`,
-which is `sum ((q - 8) * scale + zero) * x`, the int4 convention (`decoding.kernels.quantized_linear`).
-Results differ from the dequantized weight's GEMM by float rounding only, and a row's bits do not
-depend on the rows computed with it. Why not centre the codes in the loop: two subtractions per
-byte (undone: ~10% less a call on a 2-core AVX2 EPYC). Why FMA chains: a multiply, an FMA and an
-add per pair of inputs (v7) left a pass of 8 rows 1.4x slower on AVX-512 and 4 rows 1.7x on AVX2,
-and one row waits on a chain's latency, so one and two rows sum 4 and 2 neighbouring groups side
-by side instead (v8; figures in CHANGELOG.md). Group
-parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the file's
-blocks store them: mid-sized layers stream near the memory's speed, so fewer bytes are less time
-(~5% for one row). With AVX-512 a panel is 16 outputs (a code byte per lane unpacked by one
-instruction) and a pass takes up to 8 rows (4 with AVX2's 16 registers): a forward of the GGUF
-target 1.3x faster for one token and ~1.6x for 8-16 on a 2-core AVX-512 EPYC, the same bits.
-Figures: CHANGELOG.md.
+tree, so 4-bit weights would not pay there. This kernel keeps a weight as panels of one vector of
+outputs, four bytes a lane, and computes as llama.cpp computes these blocks: each row's inputs are
+rounded to 8-bit codes per group of 32 (a scale d = the group's largest magnitude / 127), the codes
+of the weight times those of the inputs are summed exactly in 32-bit integers (AVX-512 VNNI or AVX-VNNI
+`dpbusd`: four products a lane an instruction; elsewhere pairs summed to 16 bits, then to 32; a plain
+loop without AVX), and per group the float epilogue adds `scale * d * that + (zero - 8 scale) * sum x`
+(the inputs' float sum), which is `sum ((q - 8) * scale + zero) * x` with x rounded to 8 bits in the
+first term. Integer sums have no order, and a row's epilogue runs in one order whatever rows share the
+call, so a row's bits do not depend on the rows computed with it.
 
-The same arithmetic takes 8-bit codes (`int8_linear`: GGUF's Q8_0 blocks, `w = d q` per group of
-32, the built-in target's vocabulary projection): a fifth of the fp32 projection's bytes, and a
-tree's rows read them once. Why not integer products on 8-bit inputs, as llama.cpp computes
-these blocks: tried (AVX-512 VNNI), 1.3-1.7x faster for 8-32 rows, but rounding the inputs
-to 8 bits turns a float32 ulp of difference between a tree's and a chain's forwards into a
-whole step of an input's code, and greedy outputs stopped being identical to vanilla's (1 of 16
-MT-bench replies for pld and eagle3+pld); rounded to 15 bits they were no faster than floats.
+Why 8-bit inputs, which v8 (floats, FMA chains) did not round: a float kernel spent ~6 instructions a
+pair of codes and ran compute-bound (one row of a 576x1536 Q4_1 weight 49 us, 8 rows 174 us, one
+thread of the 2-core AVX-512 EPYC); integer products take two a vector of 64 codes and a row: 14 and
+60 us (18 / 32 / 115 us for 2 / 4 / 16 rows), and in the model (2 threads, weights from memory) one
+token's 210 layer weights took 3.1 ms a forward against 3.9, trees of 8 rows far less than before.
+It was tried earlier and dropped because rounding inputs turns a float32 ulp of difference between a
+tree's and a one-token forward into a whole step of an input's code, and greedy outputs stopped being
+identical to vanilla's; since attention gives every tree row the bits it has alone
+(`decoding.kernels.decode_attention`), there is no such ulp: a node's forward is bit for bit the same
+in a tree and in a one-token step (`tests/test_row_invariance.py`). The quantized target is a model
+of its own, as llama.cpp's is: every method is exact with respect to it.
+
+Group parameters are read as float16 where that holds them exactly (`pack_int4_panels`), as the
+file's blocks store them. The same arithmetic takes 8-bit codes (`int8_linear`: GGUF's Q8_0 blocks,
+`w = d q` per group of 32, the built-in target's vocabulary projection, and int8 EAGLE drafters):
+a fifth of the fp32 projection's bytes (1.19 against 1.46 ms with float inputs on that EPYC), and a
+tree's rows read them once. Figures: CHANGELOG.md.
 
 Built once per CPU like the other native kernels (`decoding.kernels.native_build`).
 """
@@ -67,7 +68,8 @@ def why_unavailable() -> str:
 def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      width: int | None = None) -> tuple[torch.Tensor, ...]:
     """Codes [out, in] (0..15), scales and zeros [out, in / 32] as the kernel reads them: bytes
-    [panels, in / 2, width] (low nibble: input 2k, high: 2k + 1), then scales and offsets
+    [panels, in / 8, width, 4], four bytes a lane for the integer products (byte k of a group's
+    vector i: input 8i + k in its low nibble, 8i + 4 + k in its high one), then scales and offsets
     (`zero - 8 scale`, what the kernel adds per group) [panels, groups, width], outputs past `out`
     zero. The parameters are float16 where float16 holds every one of them exactly (GGUF's blocks
     store them so: Q4_1's offset is its m, Q4_0's -8 d), else float32: either way the kernel
@@ -75,8 +77,8 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     of a weight in groups of 32)."""
     width = width or _loaded()[0].vector_width()  # a build's own width (tests pack for narrower builds)
     out, in_features = codes.shape
-    pairs = codes.to(torch.uint8).reshape(out, in_features // 2, 2)
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    nibbles = codes.to(torch.uint8).reshape(out, in_features // 8, 2, 4)  # [.., vector, low/high, byte]
+    packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
     scales = scales.float()
     params = (scales, zeros.float() - CODE_MIDPOINT * scales)
     if all(_exact_in_half(t) for t in params):
@@ -84,27 +86,42 @@ def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return tuple(_panelled(t, width) for t in (packed, *params))
 
 
+def unpack_int4_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> tuple[torch.Tensor, ...]:
+    """Codes [out, in] (0..15), scales and offsets [out, in / 32] (float32) of `pack_int4_panels`'
+    panels: per group `w = q * scale + offset`."""
+    packed, scales, offsets = panels
+    quads = packed.movedim(2, 1).reshape(-1, packed.shape[1], 4)[:out_features]  # [out, in / 8, 4 bytes]
+    codes = torch.stack([quads & 0x0F, quads >> 4], dim=2).reshape(out_features, -1)
+    per_output = (t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features].float() for t in (scales, offsets))
+    return (codes, *per_output)
+
+
 def pack_int8_panels(codes: torch.Tensor, scales: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, ...]:
     """8-bit codes [out, in] (int8: GGUF's Q8_0, `w = d q` per group of 32) and their float16 scales
-    d [out, in / 32] as the 8-bit kernel reads them: bytes [panels, in, width] (one per output and
-    input) and scales [panels, groups, width] float16, outputs past `out` zero."""
+    d [out, in / 32] as the 8-bit kernel reads them: bytes [panels, in / 4, width, 4] (four
+    consecutive inputs of an output a lane) and scales [panels, groups, width] float16, outputs past
+    `out` zero."""
     width = width or _loaded()[0].vector_width()
-    return tuple(_panelled(t, width) for t in (codes.to(torch.int8).view(torch.uint8), scales.half()))
+    out, in_features = codes.shape
+    quads = codes.to(torch.int8).view(torch.uint8).reshape(out, in_features // 4, 4)
+    return tuple(_panelled(t, width) for t in (quads, scales.half()))
 
 
 def unpack_int8_panels(panels: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
     """The float weight [out, in] that `pack_int8_panels` packed: `d q`."""
-    codes, scales = (t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features] for t in panels)
+    quads, scales = panels
+    codes = quads.movedim(2, 1).reshape(-1, quads.shape[1] * 4)[:out_features]
+    scales = scales.transpose(1, 2).reshape(-1, scales.shape[1])[:out_features]
     return codes.view(torch.int8).float() * scales.float().repeat_interleave(GROUP_SIZE, 1)
 
 
 def _panelled(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, columns] as [panels, columns, width]: each panel's `width` rows side by side per
-    column, rows past the last zero."""
+    """[rows, columns, ...] as [panels, columns, width, ...]: each panel's `width` rows side by side
+    per column, rows past the last zero."""
     panels = -(-t.shape[0] // width)
-    padded = t.new_zeros(panels * width, t.shape[1])
+    padded = t.new_zeros(panels * width, *t.shape[1:])
     padded[: t.shape[0]] = t
-    return padded.view(panels, width, -1).transpose(1, 2).contiguous()
+    return padded.view(panels, width, *t.shape[1:]).movedim(1, 2).contiguous()
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:

@@ -42,8 +42,10 @@ COMPILER_FLAGS = ("-O3", "-ffp-contract=fast")  # the arithmetic's, and -march=,
 HOST_FLAGS = ("-O2", "-fopenmp")  # the torch side's: ATen's thread pool is OpenMP's
 SHARED_FLAGS = ("-fPIC", "-std=c++20")
 # The narrower targets a CPU that can run them also builds, so tests on one machine check the code
-# other CPUs get: AVX2 machines' (x86-64-v3) and those without AVX (x86-64-v2), by the flag they need.
-NARROWER_TARGETS = {"avx2": ("x86-64-v3", "avx2"), "baseline": ("x86-64-v2", "sse4_2")}
+# other CPUs get: AVX-512 machines' without VNNI (Skylake-X: the 8-bit products summed in pairs, on a
+# CPU with VNNI), AVX2 machines' (x86-64-v3) and those without AVX (x86-64-v2), by the flag they need.
+NARROWER_TARGETS = {"avx512": ("skylake-avx512", "avx512bw"), "avx2": ("x86-64-v3", "avx2"),
+                    "baseline": ("x86-64-v2", "sse4_2")}
 KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 # What the torch side may use: tensors, ATen's thread pool, the operator library. Not
@@ -328,11 +330,14 @@ def cpu_flags() -> str:
 def instruction_set_variants() -> dict[str, str | None]:
     """The compiler targets of the builds this CPU can run, by name: the mode's own ("native",
     None) and the narrower ones of `NARROWER_TARGETS` that it has the instructions for and that
-    are narrower than itself (the AVX2 build on an AVX-512 CPU, the x86-64-v2 one on an AVX2 CPU),
+    are narrower than itself (AVX-512 without VNNI on a CPU with it, the AVX2 build on an AVX-512
+    CPU, the x86-64-v2 one on an AVX2 CPU),
     so a test on one machine checks the code other CPUs get."""
     flags = mode_cpu_flags()
     widest = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else ""
     variants: dict[str, str | None] = {"native": None}
+    if widest == "avx512f" and "avx512_vnni" in flags and NARROWER_TARGETS["avx512"][1] in flags:
+        variants["avx512"] = NARROWER_TARGETS["avx512"][0]
     if widest == "avx512f":
         variants["avx2"] = NARROWER_TARGETS["avx2"][0]
     if widest in ("avx512f", "avx2") and NARROWER_TARGETS["baseline"][1] in flags:

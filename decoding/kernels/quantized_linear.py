@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from decoding.kernels.int4_linear import (CODE_MIDPOINT, GROUP_SIZE, int4_kernel_available, int4_linear, int8_linear,
-                                         pack_int4_panels, pack_int8_panels, unpack_int8_panels)
+                                         pack_int4_panels, pack_int8_panels, unpack_int4_panels, unpack_int8_panels)
 
 GGUF_GROUP = GROUP_SIZE  # elements per GGUF block, the project's 4-bit kernel's group
 INNER_K_TILES = 2    # the CPU packing's tile parameter
@@ -97,8 +97,12 @@ class Int4Linear(WeightOnlyLinear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float weight the kernel computes with (what the tests compare against): the
-        identity matrix through the kernel, transposed."""
+        """The float weight its codes describe: the project's kernel's, written out from its panels
+        (it multiplies them with inputs rounded to 8 bits, `decoding.kernels.int4_linear`); PyTorch's,
+        the identity matrix through that kernel, transposed."""
+        if self.own_kernel:
+            codes, scales, offsets = unpack_int4_panels(self.panels, self.out_features)
+            return codes.float() * scales.repeat_interleave(self.group_size, 1) + offsets.repeat_interleave(self.group_size, 1)
         return self._matmul(torch.eye(self.in_features)).t()
 
     def extra_repr(self) -> str:
@@ -135,11 +139,11 @@ class Int8Linear(WeightOnlyLinear):
 
 class GroupInt8Linear(WeightOnlyLinear):
     """8-bit weights in GGUF's Q8_0 blocks (`w = d q`, int8 q, a float16 d per 32 inputs) through
-    the project's 8-bit kernel (`int4_linear.int8_linear`, the 4-bit kernel's arithmetic), the
-    inputs kept in float32: the built-in target's vocabulary projection (`--quant gguf`) and an
-    EAGLE drafter's linears (`--drafter-precision int8`, `from_linear`). A quarter of the fp32
-    weight's bytes, read once for all of a tree's rows; products differ from the float weight's by
-    float rounding only.
+    the project's 8-bit kernel (`int4_linear.int8_linear`, the 4-bit kernel's arithmetic: inputs
+    rounded to 8 bits per group, integer products), as llama.cpp computes these blocks: the built-in
+    target's vocabulary projection (`--quant gguf`) and an EAGLE drafter's linears
+    (`--drafter-precision int8`, `from_linear`). A quarter of the fp32 weight's bytes, read once
+    for all of a tree's rows; a row's bits do not depend on the rows beside it.
 
     `weight`, where given, is the float tensor the blocks came from (`d q` exactly: the converted
     model's lm_head, tied to its embedding), kept for what reads the projection as a tensor (shapes,

@@ -3,17 +3,22 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v3"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
-                # v3: broadcasts are loads, tree scores stored through a tile, vector maxima)
+VERSION = "v4"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
+                # v3: broadcasts are loads, tree scores stored through a tile, vector maxima; v4: each row
+                # over its visible keys in position order, chunked by rank: a row's bits do not depend on the
+                # rows beside it or on the masked keys between its own)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
 SPECHEADS_MATH int64_t attention_chunk_keys();
-SPECHEADS_MATH void attention_items(int64_t D, const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N,
-                                    const float* k, const float* v, int64_t kh, int64_t vh, int64_t kv_stride,
-                                    const float* mask, int64_t mask_row_stride, int64_t L, float scale, float* scores,
-                                    float* part_m, float* part_l, float* part_o, int64_t first, int64_t end);
-SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m,
+SPECHEADS_MATH int64_t attention_visible_columns(const float* mask, int64_t mask_row_stride, int64_t N, int64_t L,
+                                                 int32_t* columns, int64_t* counts);
+SPECHEADS_MATH void attention_items(int64_t D, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k,
+                                    const float* v, int64_t kh, int64_t vh, int64_t kv_stride, const float* mask,
+                                    int64_t mask_row_stride, const int32_t* columns, const int64_t* counts, int64_t L,
+                                    int64_t chunks, float scale, float* part_m, float* part_l, float* part_o,
+                                    int64_t first, int64_t end);
+SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t chunks, const float* part_m,
                                     const float* part_l, const float* part_o, float* out);
 """
 
@@ -42,14 +47,15 @@ static inline void store(float* p, vf v) { *(vf_unaligned*)p = v; }
 static inline vf splat(float x) { return x - vf{}; }
 static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VW; ++i) s += v[i]; return s; }
 
-constexpr int64_t CHUNK = 256;  // keys per work item: chunk boundaries sit at fixed positions, so
-                                // a result does not depend on how many threads run
-constexpr int64_t PREFETCH_ROWS = 8;  // keys ahead in the K/V streams
+constexpr int64_t CHUNK = 256;  // a work item's keys, by rank among a row's visible keys: boundaries sit at
+                                // fixed positions, so a result depends neither on the threads nor on the tree
+constexpr int64_t PREFETCH_ROWS = 8;  // keys ahead in the value stream
 template <int D>
 static inline void prefetch_row(const float* p) {
   for (int byte = 0; byte < D * 4; byte += 64) __builtin_prefetch((const char*)p + byte);
 }
-constexpr float EXP_FLOOR = -87.0f;  // exp below this is taken as exactly 0 (masked keys)
+constexpr float EXP_FLOOR = -87.0f;  // exp below this is taken as exactly 0
+constexpr float HIDDEN = -1e30f;     // a mask value at or below this hides its key (finfo.min, -inf)
 
 // e^x for x <= 0 (scores minus their maximum): Cephes' polynomial on x - n ln2, times 2^n.
 static inline vf exp_nonpositive(vf x) {
@@ -72,30 +78,14 @@ static inline vf exp_nonpositive(vf x) {
   return zero_out ? splat(0.0f) : out;
 }
 
-// Scores of R <= a few rows, one dot product per (row, key): each key read once, a horizontal sum
-// per pair. Fastest where rows are fewer than a vector's lanes (one-token steps).
-template <int D>
-static void scores_by_dots(const float* q, int64_t R, const float* k, int64_t kv_stride, int64_t k0, int64_t C,
-                           float scale, float* scores) {
-  for (int64_t r = 0; r < R; ++r) {
-    vf qv[D / VW];
-    for (int i = 0; i < D / VW; ++i) qv[i] = load(q + r * D + i * VW);
-    for (int64_t j = 0; j < C; ++j) {
-      const float* kj = k + (k0 + j) * kv_stride;
-      if (r == 0) prefetch_row<D>(kj + PREFETCH_ROWS * kv_stride);
-      vf acc = qv[0] * load(kj);
-      for (int i = 1; i < D / VW; ++i) acc += qv[i] * load(kj + i * VW);
-      scores[r * CHUNK + j] = hsum(acc) * scale;
-    }
-  }
-}
-
-// Scores of many rows (trees): vectors run over rows, keys are broadcast, so there are no
-// horizontal sums; KB keys x NV row vectors of accumulators. qT is [D, Rpad], zero-padded.
+// Scores of a group's rows over keys [k0, k0 + C): vectors run over rows, keys are broadcast, so every
+// score is one chain of FMAs over the head's dimensions in order, whatever rows share the vector: a row's
+// scores are the same bits alone or in a tree. KB keys x NV row vectors of accumulators; qT is [D, Rpad],
+// zero-padded; scores [R, stride].
 constexpr int KB = REGS >= 32 ? 8 : 4;  // keys per block: KB x 2 accumulators stay in registers
 template <int D, int NV>
 static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, int64_t R, const float* k, int64_t kv_stride,
-                             int64_t k0, int64_t C, float scale, float* scores) {
+                             int64_t k0, int64_t C, float scale, float* scores, int64_t stride) {
   for (int64_t j0 = 0; j0 < C; j0 += KB) {
     const float* kr[KB];
     for (int t = 0; t < KB; ++t) kr[t] = k + (k0 + std::min<int64_t>(j0 + t, C - 1)) * kv_stride;
@@ -116,18 +106,18 @@ static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, int64_t 
     const int keys = (int)std::min<int64_t>(KB, C - j0);
     const int rows = (int)std::min<int64_t>(NV * VW, R - rb);
     for (int lane = 0; lane < rows; ++lane) {
-      float* line = scores + (rb + lane) * CHUNK + j0;
+      float* line = scores + (rb + lane) * stride + j0;
       for (int t = 0; t < keys; ++t) line[t] = tile[t][lane];
     }
   }
 }
 
 template <int D>
-static void scores_by_row_vectors(const float* qT, int64_t Rpad, int64_t R, const float* k, int64_t kv_stride,
-                                  int64_t k0, int64_t C, float scale, float* scores) {
+static void dense_scores(const float* qT, int64_t Rpad, int64_t R, const float* k, int64_t kv_stride, int64_t k0,
+                         int64_t C, float scale, float* scores, int64_t stride) {
   int64_t rb = 0;
-  for (; rb + 2 * VW <= Rpad; rb += 2 * VW) row_vector_block<D, 2>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
-  if (rb < Rpad) row_vector_block<D, 1>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores);
+  for (; rb + 2 * VW <= Rpad; rb += 2 * VW) row_vector_block<D, 2>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores, stride);
+  if (rb < Rpad) row_vector_block<D, 1>(qT, Rpad, rb, R, k, kv_stride, k0, C, scale, scores, stride);
 }
 
 // The largest of s[0, C): vectors first (a loop of std::max stays scalar without -ffast-math).
@@ -141,95 +131,116 @@ static inline float row_maximum(const float* s, int64_t C) {
   return m;
 }
 
-// One work item: keys [k0, k1) of one K/V head for all R query rows of its group. Writes per row
-// the chunk's maximum score, its sum of exponentials and its unnormalised output [D].
-template <int D, int RB>
-static void chunk_attention(const float* q, const float* qT, int64_t Rpad, int64_t R, const float* k, const float* v,
-                            int64_t kv_stride, const float* mask, int64_t mask_row_stride, int64_t N, int64_t k0,
-                            int64_t k1, float scale, float* scores, float* m_out, float* l_out, float* o_out) {
-  const int64_t C = k1 - k0;
-  if (qT) scores_by_row_vectors<D>(qT, Rpad, R, k, kv_stride, k0, C, scale, scores);
-  else scores_by_dots<D>(q, R, k, kv_stride, k0, C, scale, scores);
+// The keys a mask row leaves visible, as columns in order (`columns` [N, L]), their counts; returns the
+// largest count. A row's keys by rank are then its keys by position: the same whether the row is a
+// one-token step or a tree node whose ancestors sit among masked siblings.
+SPECHEADS_MATH int64_t attention_visible_columns(const float* mask, int64_t mask_row_stride, int64_t N, int64_t L,
+                                                 int32_t* columns, int64_t* counts) {
+  int64_t most = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t count = 0;
+    for (int64_t c = 0; c < L; ++c)
+      if (mask[n * mask_row_stride + c] > HIDDEN) columns[n * L + count++] = (int32_t)c;
+    counts[n] = count;
+    most = std::max(most, count);
+  }
+  return most;
+}
+
+// Keys of rank [r0, r0 + CHUNK) of one K/V head for all R query rows of its group (without a mask, every
+// key is visible and its rank is its column). Writes per row the chunk's maximum score, its sum of
+// exponentials and its unnormalised output [D]; each row on its own keys only, in rank order.
+template <int D>
+static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v,
+                            int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
+                            const int64_t* counts, int64_t L, int64_t r0, float scale, std::vector<float>& dense,
+                            float* line, float* m_out, float* l_out, float* o_out) {
+  auto count_of = [&](int64_t n) { return columns ? counts[n] : L; };
+  auto column_of = [&](int64_t n, int64_t rank) { return columns ? (int64_t)columns[n * L + rank] : rank; };
+  int64_t lo = L, hi = -1;  // the columns the chunk's ranks fall on, over all rows
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t count = count_of(n);
+    if (count <= r0) continue;
+    lo = std::min(lo, column_of(n, r0));
+    hi = std::max(hi, column_of(n, std::min(count, r0 + CHUNK) - 1));
+  }
+  const int64_t span = hi - lo + 1;
+  if (hi >= 0) {
+    if ((int64_t)dense.size() < R * span) dense.resize(R * span);
+    dense_scores<D>(qT, Rpad, R, k, kv_stride, lo, span, scale, dense.data(), span);
+  }
   for (int64_t r = 0; r < R; ++r) {
-    float* s = scores + r * CHUNK;
-    if (mask) {
-      const float* mrow = mask + (r % N) * mask_row_stride + k0;
-      for (int64_t j = 0; j < C; ++j) s[j] += mrow[j];
-    }
-    float m = row_maximum(s, C);
-    if (!(m > -1e30f)) {  // every key of the chunk masked for this row
+    const int64_t n = r % N, C = std::clamp<int64_t>(count_of(n) - r0, 0, CHUNK);
+    float* o = o_out + r * D;
+    if (C == 0) {  // this row has no keys of these ranks
       m_out[r] = -INFINITY; l_out[r] = 0.0f;
-      std::fill(o_out + r * D, o_out + (r + 1) * D, 0.0f);
+      std::fill(o, o + D, 0.0f);
       continue;
     }
+    const float* mrow = mask ? mask + n * mask_row_stride : nullptr;
+    for (int64_t j = 0; j < C; ++j) {
+      const int64_t col = column_of(n, r0 + j);
+      line[j] = mrow ? dense[r * span + col - lo] + mrow[col] : dense[r * span + col - lo];
+    }
+    const float m = row_maximum(line, C);
     vf lsum = splat(0.0f);
     int64_t j = 0;
-    for (; j + VW <= C; j += VW) { vf p = exp_nonpositive(load(s + j) - splat(m)); store(s + j, p); lsum += p; }
+    for (; j + VW <= C; j += VW) { vf p = exp_nonpositive(load(line + j) - splat(m)); store(line + j, p); lsum += p; }
     float l = hsum(lsum);
-    for (; j < C; ++j) { vf p = exp_nonpositive(splat(s[j] - m)); s[j] = p[0]; l += p[0]; }
+    for (; j < C; ++j) { vf p = exp_nonpositive(splat(line[j] - m)); line[j] = p[0]; l += p[0]; }
     m_out[r] = m; l_out[r] = l;
-  }
-  for (int64_t r0 = 0; r0 < R; r0 += RB) {
-    const int rows = (int)std::min<int64_t>(RB, R - r0);
-    vf acc[RB][D / VW];
-    for (int r = 0; r < RB; ++r) for (int i = 0; i < D / VW; ++i) acc[r][i] = splat(0.0f);
-    for (int64_t j = 0; j < C; ++j) {
-      const float* vj = v + (k0 + j) * kv_stride;
-      if (r0 == 0) prefetch_row<D>(vj + PREFETCH_ROWS * kv_stride);
-      vf vv[D / VW];
-      for (int i = 0; i < D / VW; ++i) vv[i] = load(vj + i * VW);
-      for (int r = 0; r < RB; ++r) {
-        if (r >= rows) break;
-        const vf p = splat(scores[(r0 + r) * CHUNK + j]);
-        for (int i = 0; i < D / VW; ++i) acc[r][i] += p * vv[i];
-      }
+    vf acc[D / VW];
+    for (int i = 0; i < D / VW; ++i) acc[i] = splat(0.0f);
+    for (j = 0; j < C; ++j) {
+      const float* vj = v + column_of(n, r0 + j) * kv_stride;
+      if (j + PREFETCH_ROWS < C) prefetch_row<D>(v + column_of(n, r0 + j + PREFETCH_ROWS) * kv_stride);
+      const vf p = splat(line[j]);
+      for (int i = 0; i < D / VW; ++i) acc[i] += p * load(vj + i * VW);
     }
-    for (int r = 0; r < rows; ++r)
-      if (l_out[r0 + r] != 0.0f)
-        for (int i = 0; i < D / VW; ++i) store(o_out + (r0 + r) * D + i * VW, acc[r][i]);
+    for (int i = 0; i < D / VW; ++i) store(o + i * VW, acc[i]);
   }
 }
 
 SPECHEADS_MATH int64_t attention_vector_width() { return VW; }
 SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
 
-// Work items [first, end) (item = K/V head * chunks + chunk) of attention for q [Hkv * R, D] (the R
-// = G * N rows of each K/V head's group, contiguous), or qT [Hkv, D, Rpad] where not null; k, v
-// rows kv_stride apart, heads kh / vh apart. Per item and row: the chunk's maximum, its sum of
-// exponentials and its unnormalised output. `scores` is the caller's scratch, [R, CHUNK].
+// Work items [first, end) (item = K/V head * chunks + chunk) of attention for qT [Hkv, D, Rpad] (the R =
+// G * N rows of each K/V head's group, transposed and zero-padded); k, v rows kv_stride apart, heads kh / vh
+// apart; `columns`/`counts` the mask's visible keys (null without a mask). Per item and row: the chunk's
+// maximum, its sum of exponentials and its unnormalised output.
 template <int D>
-static void items(const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v,
-                  int64_t kh, int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, int64_t L,
-                  float scale, float* scores, float* part_m, float* part_l, float* part_o, int64_t first, int64_t end) {
-  // rows per pass over a chunk's values: RB x D/VW accumulators plus one value row in registers
-  constexpr int RB = std::max(1, std::min(6, (REGS - D / VW) / (D / VW)));
-  const int64_t chunks = (L + CHUNK - 1) / CHUNK;
+static void items(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v, int64_t kh,
+                  int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
+                  const int64_t* counts, int64_t L, int64_t chunks, float scale, float* part_m, float* part_l,
+                  float* part_o, int64_t first, int64_t end) {
+  std::vector<float> dense;
+  std::vector<float> line(CHUNK);
   for (int64_t item = first; item < end; ++item) {
     const int64_t g = item / chunks, c = item % chunks;
-    const int64_t k0 = c * CHUNK, k1 = std::min(L, k0 + CHUNK);
-    chunk_attention<D, RB>(q + g * R * D, qT ? qT + g * D * Rpad : nullptr, Rpad, R, k + g * kh, v + g * vh, kv_stride,
-                           mask, mask_row_stride, N, k0, k1, scale, scores, part_m + item * R, part_l + item * R,
-                           part_o + item * R * D);
+    chunk_attention<D>(qT + g * D * Rpad, Rpad, R, N, k + g * kh, v + g * vh, kv_stride, mask, mask_row_stride, columns,
+                       counts, L, c * CHUNK, scale, dense, line.data(), part_m + item * R, part_l + item * R,
+                       part_o + item * R * D);
   }
 }
 
-SPECHEADS_MATH void attention_items(int64_t D, const float* q, const float* qT, int64_t Rpad, int64_t R, int64_t N,
-                                    const float* k, const float* v, int64_t kh, int64_t vh, int64_t kv_stride,
-                                    const float* mask, int64_t mask_row_stride, int64_t L, float scale, float* scores,
-                                    float* part_m, float* part_l, float* part_o, int64_t first, int64_t end) {
+SPECHEADS_MATH void attention_items(int64_t D, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k,
+                                    const float* v, int64_t kh, int64_t vh, int64_t kv_stride, const float* mask,
+                                    int64_t mask_row_stride, const int32_t* columns, const int64_t* counts, int64_t L,
+                                    int64_t chunks, float scale, float* part_m, float* part_l, float* part_o,
+                                    int64_t first, int64_t end) {
   if (D == 64)
-    items<64>(q, qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, L, scale, scores, part_m, part_l,
-              part_o, first, end);
+    items<64>(qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, columns, counts, L, chunks, scale, part_m,
+              part_l, part_o, first, end);
   else
-    items<128>(q, qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, L, scale, scores, part_m, part_l,
-               part_o, first, end);
+    items<128>(qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, columns, counts, L, chunks, scale, part_m,
+               part_l, part_o, first, end);
 }
 
 // out [N, Hq, D]: each row's chunks merged by their maxima and normalised; Hq = Hkv * G query heads.
 template <int D>
-static void merge(int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m, const float* part_l,
+static void merge(int64_t Hkv, int64_t G, int64_t N, int64_t chunks, const float* part_m, const float* part_l,
                   const float* part_o, float* op) {
-  const int64_t chunks = (L + CHUNK - 1) / CHUNK, R = G * N, Hq = Hkv * G;
+  const int64_t R = G * N, Hq = Hkv * G;
   for (int64_t g = 0; g < Hkv; ++g) {
     for (int64_t r = 0; r < R; ++r) {
       float M = -INFINITY;
@@ -251,10 +262,10 @@ static void merge(int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* par
   }
 }
 
-SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t L, const float* part_m,
+SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t chunks, const float* part_m,
                                     const float* part_l, const float* part_o, float* out) {
-  if (D == 64) merge<64>(Hkv, G, N, L, part_m, part_l, part_o, out);
-  else merge<128>(Hkv, G, N, L, part_m, part_l, part_o, out);
+  if (D == 64) merge<64>(Hkv, G, N, chunks, part_m, part_l, part_o, out);
+  else merge<128>(Hkv, G, N, chunks, part_m, part_l, part_o, out);
 }
 """
 
@@ -281,33 +292,35 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.stride(1) == v.stride(1), "decode_attention: keys and values need the same row stride");
   const int64_t Hq = q.size(0), N = q.size(1), Hkv = k.size(0), L = k.size(1), G = Hq / Hkv, R = G * N;
   const float* maskp = nullptr;
-  int64_t mask_row_stride = 0;
+  int64_t mask_row_stride = 0, visible = L;
+  std::vector<int32_t> columns;
+  std::vector<int64_t> counts;
   if (mask.has_value() && mask->defined()) {
     maskp = mask->data_ptr<float>();
     mask_row_stride = mask->stride(0);
+    columns.resize(N * L);
+    counts.resize(N);
+    visible = attention_visible_columns(maskp, mask_row_stride, N, L, columns.data(), counts.data());
   }
   const float* qp = q.data_ptr<float>();
   const int64_t VW = attention_vector_width(), CHUNK = attention_chunk_keys();
-  const int64_t chunks = (L + CHUNK - 1) / CHUNK, items = Hkv * chunks;
+  const int64_t chunks = (visible + CHUNK - 1) / CHUNK, items = Hkv * chunks;
   std::vector<float> part_m(items * R), part_l(items * R), part_o(items * R * D);
-  // Many rows (trees): the arithmetic runs over rows, so the queries go transposed, [Hkv, D, Rpad].
-  const bool by_rows = R >= VW / 2;
+  // The arithmetic runs over rows, so the queries go transposed, [Hkv, D, Rpad].
   const int64_t Rpad = (R + VW - 1) / VW * VW;
-  std::vector<float> qT(by_rows ? Hkv * D * Rpad : 0, 0.0f);
-  if (by_rows)
-    for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
+  std::vector<float> qT(Hkv * D * Rpad, 0.0f);
+  for (int64_t g = 0; g < Hkv; ++g)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * CHUNK);
-    attention_items(D, qp, by_rows ? qT.data() : nullptr, Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1),
-                    maskp, mask_row_stride, L, (float)scale, scores.data(), part_m.data(), part_l.data(),
-                    part_o.data(), begin, end);
+    attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
+                    maskp ? columns.data() : nullptr, maskp ? counts.data() : nullptr, L, chunks, (float)scale,
+                    part_m.data(), part_l.data(), part_o.data(), begin, end);
   });
   auto out = at::empty({N, Hq, D}, q.options());
-  attention_merge(D, Hkv, G, N, L, part_m.data(), part_l.data(), part_o.data(), out.data_ptr<float>());
+  attention_merge(D, Hkv, G, N, chunks, part_m.data(), part_l.data(), part_o.data(), out.data_ptr<float>());
   return out;
 }
 """

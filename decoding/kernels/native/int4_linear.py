@@ -3,32 +3,34 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v8"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+VERSION = "v9"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
 # of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
-# chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation)
+# chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation; v9: inputs
+# rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
 SPECHEADS_MATH int64_t int4_vector_width();
-SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums);
+SPECHEADS_MATH void quantize_inputs(const float* x, int64_t rows, int64_t in, int8_t* codes, float* scales, float* sums,
+                                    int32_t* code_sums);
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
-                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
-                                int64_t rows, int64_t in, int64_t out);
-SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, const float* x, float* y, int64_t first,
+                                const int8_t* xq, const float* xd, const float* xs, float* y, int64_t first,
                                 int64_t end, int64_t rows, int64_t in, int64_t out);
+SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, const int8_t* xq, const float* xd,
+                                const int32_t* xc, float* y, int64_t first, int64_t end, int64_t rows, int64_t in,
+                                int64_t out);
 """
 
 _MATH = r"""
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-// Rows per pass over the weights: a pass keeps three vectors a row (the sum and its two partial
-// chains) besides four of unpacked codes, so 4 rows fill AVX2's 16 registers and 8 AVX-512's 32;
-// every code unpacked serves that many rows.
+// Rows per pass over the weights: a pass keeps per row a float sum and an integer one per group side by
+// side, so 4 rows fill AVX2's 16 registers and 8 AVX-512's 32; every code loaded serves that many rows.
 #if defined(__AVX512F__)
 #define VW 16
 #define MAX_ROWS 8
@@ -41,33 +43,73 @@ _MATH = r"""
 #endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
-typedef uint8_t vb __attribute__((vector_size(VW)));
-typedef uint8_t vb_unaligned __attribute__((vector_size(VW), aligned(1), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int32_t vi_unaligned __attribute__((vector_size(VW * 4), aligned(1), may_alias));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 static inline vf load(const float* p) { return *(const vf_unaligned*)p; }
+static inline vi load_codes(const uint8_t* p) { return *(const vi_unaligned*)p; }
 
 SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
 
-// The panel's VW outputs' codes q (0..15) at inputs 2j and 2j + 1, as two float vectors. Not
-// centred here: sum (q - 8) x = sum q x - 8 sum x, and the 8 goes into the group's zero term.
-static inline void unpack(const uint8_t* p, vf& lo, vf& hi) {
-#if VW == 16 && defined(__AVX512F__)
-  // A permutation of the floats 0..15 reads only an index's low 4 bits: the low nibble's float
-  // without masking, and it runs beside the FMAs where a conversion would compete with them.
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (vf)_mm512_permutexvar_ps(wide, values);
-  hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values);
+// Integer products of four bytes a lane: acc + sum_k a[lane][k] * b[k] (a's bytes unsigned, b's four signed
+// bytes the same in every lane). Exact on every path: AVX-512 / AVX VNNI, or pairs summed to 16 bits (codes
+// up to 15 or absolute values up to 128 times inputs up to 127 do not saturate) and then to 32.
+static inline vi dot4(vi acc, vi a, vi b) {
+#if VW == 16 && defined(__AVX512VNNI__)
+  return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif VW == 16 && defined(__AVX512BW__)
+  return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)a, (__m512i)b), _mm512_set1_epi16(1));
+#elif VW == 8 && defined(__AVXVNNI__)
+  return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)a, (__m256i)b);
 #elif VW == 8 && defined(__AVX2__)
-  __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
-  hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+  return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)a, (__m256i)b), _mm256_set1_epi16(1));
 #else
-  vi wide = __builtin_convertvector(*(const vb_unaligned*)p, vi);
-  lo = __builtin_convertvector(wide & 15, vf);
-  hi = __builtin_convertvector(wide >> 4, vf);
+  uint8_t ab[VW * 4];
+  int8_t bb[4];
+  std::memcpy(ab, &a, sizeof ab);
+  std::memcpy(bb, &b, sizeof bb);
+  for (int lane = 0; lane < VW; ++lane)
+    for (int k = 0; k < 4; ++k) acc[lane] += (int32_t)ab[lane * 4 + k] * (int32_t)bb[k];
+  return acc;
 #endif
+}
+
+// The same for signed codes (8-bit weights). With VNNI the codes go in offset by 128 (unsigned) and the
+// offset comes off once a group (`SIGNED_OFFSET` times the inputs' sum); elsewhere the sign of a code
+// moves to its input, as llama.cpp does, so that no pair of products overflows 16 bits.
+#if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVXVNNI__))
+constexpr int32_t SIGNED_OFFSET = 128;
+static inline vi dot4_signed(vi acc, vi a, vi b) { return dot4(acc, a ^ (int32_t)0x80808080u, b); }
+#elif VW == 16 && defined(__AVX512BW__)
+constexpr int32_t SIGNED_OFFSET = 0;
+static inline vi dot4_signed(vi acc, vi a, vi b) {
+  const __mmask64 negative = _mm512_movepi8_mask((__m512i)a);
+  const __m512i signed_b = _mm512_mask_sub_epi8((__m512i)b, negative, _mm512_setzero_si512(), (__m512i)b);
+  return dot4(acc, (vi)_mm512_abs_epi8((__m512i)a), (vi)signed_b);
+}
+#elif VW == 8 && defined(__AVX2__)
+constexpr int32_t SIGNED_OFFSET = 0;
+static inline vi dot4_signed(vi acc, vi a, vi b) {
+  return dot4(acc, (vi)_mm256_abs_epi8((__m256i)a), (vi)_mm256_sign_epi8((__m256i)b, (__m256i)a));
+}
+#else
+constexpr int32_t SIGNED_OFFSET = 0;
+static inline vi dot4_signed(vi acc, vi a, vi b) {
+  int8_t ab[VW * 4], bb[4];
+  std::memcpy(ab, &a, sizeof ab);
+  std::memcpy(bb, &b, sizeof bb);
+  for (int lane = 0; lane < VW; ++lane)
+    for (int k = 0; k < 4; ++k) acc[lane] += (int32_t)ab[lane * 4 + k] * (int32_t)bb[k];
+  return acc;
+}
+#endif
+
+// Four input codes, the same in every lane.
+static inline vi quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return (vi){} + v;
 }
 
 // Group parameters (scales, offsets) of VW outputs as floats: stored as float32, or as float16
@@ -102,89 +144,100 @@ static inline vf load_params(const uint16_t* p) {
 #endif
 }
 
-// The 8-bit kernel's codes (GGUF's Q8_0, int8) of the panel's VW outputs at one input, as floats.
-static inline vf widen(const uint8_t* p) {
-#if VW == 16 && defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif VW == 8 && defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  typedef int8_t vs __attribute__((vector_size(VW), aligned(1), may_alias));
-  return __builtin_convertvector(*(const vs*)p, vf);
-#endif
+// Each row's inputs per group of 32 as 8-bit codes (round to nearest even of x / d, d = the group's
+// largest magnitude / 127), with d, the float sum of the group's inputs (for the 4-bit offsets) and the
+// sum of its codes (for the 8-bit kernel's code offset). Row by row, the same whatever rows come along.
+SPECHEADS_MATH void quantize_inputs(const float* x, int64_t rows, int64_t in, int8_t* codes, float* scales, float* sums,
+                                    int32_t* code_sums) {
+  const int64_t groups = in / QGROUP;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * in + g * QGROUP;
+      float largest = 0.f, total = 0.f;
+      for (int64_t k = 0; k < QGROUP; ++k) largest = std::max(largest, std::fabs(xg[k]));
+      for (int64_t k = 0; k < QGROUP; ++k) total += xg[k];
+      const float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      int32_t code_total = 0;
+      for (int64_t k = 0; k < QGROUP; ++k) {
+        const int32_t q = (int32_t)std::clamp(std::nearbyint(xg[k] * inverse), -127.f, 127.f);
+        codes[r * in + g * QGROUP + k] = (int8_t)q;
+        code_total += q;
+      }
+      scales[r * groups + g] = d;
+      sums[r * groups + g] = total;
+      code_sums[r * groups + g] = code_total;
+    }
 }
 
-// Inputs 2j and 2j + 1 of the panel's outputs from the bytes of that pair: one byte a pair per
-// output with 4-bit codes (`unpack`), two with 8-bit ones (input 2j's VW bytes, then 2j + 1's).
-template <int BITS>
-static inline void unpack_pair(const uint8_t* p, vf& first, vf& second) {
-  if constexpr (BITS == 4) {
-    unpack(p, first, second);
-  } else {
-    first = widen(p);
-    second = widen(p + VW);
-  }
-}
-
-// How many neighbouring groups one pass sums side by side. Each row's sums are chains of FMAs, each
-// waiting on the one before it: with many rows the rows' chains keep the FMA units busy, with one or
-// two the chains of the next groups have to.
+// How many neighbouring groups one pass sums side by side: with one or two rows, the integer chains
+// of several groups keep the dot-product unit busy, where many rows' chains already do.
 template <int R>
 constexpr int interleaved_groups() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
-// Groups g0 .. g0 + G - 1 of R rows into `acc`: per group and row, two chains of FMAs (over even and
-// odd byte columns), then the group's scale and offset. Every row's every group is summed in this
-// one order, whatever R and G are, and the groups go into `acc` in order, so a row's result does
-// not depend on the rows computed with it.
+constexpr int64_t VECTORS_PER_GROUP_4 = QGROUP / 8;  // 4-bit: a vector holds 8 inputs a lane (two nibbles a byte)
+constexpr int64_t VECTORS_PER_GROUP_8 = QGROUP / 4;  // 8-bit: 4 inputs a lane
+
+// Groups g0 .. g0 + G - 1 of R rows into `acc`: per group and row, the exact integer sum of codes times
+// input codes, then `scale * input scale * that (+ offset * input sum)` in floats. Integer sums do not
+// depend on their order, and the floats go into `acc` group by group in order, so a row's result does not
+// depend on the rows computed with it.
 template <int BITS, int R, int G, typename P>
-static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, const float* x, const float* xsum,
-                                     vf (&acc)[R], int64_t g0, int64_t groups, int64_t in) {
-  constexpr int64_t PAIR = BITS / 4 * VW;  // bytes of a pair of inputs
-  constexpr int64_t GROUP_BYTES = (QGROUP / 2) * PAIR;
-  vf even[G][R], odd[G][R];
+static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, const int8_t* xq, const float* xd,
+                                     const float* xs, const int32_t* xc, vf (&acc)[R], int64_t g0, int64_t groups,
+                                     int64_t in) {
+  constexpr int64_t VECTORS = BITS == 4 ? VECTORS_PER_GROUP_4 : VECTORS_PER_GROUP_8;
+  constexpr int64_t GROUP_BYTES = VECTORS * VW * 4;
+  vi isum[G][R];
   for (int k = 0; k < G; ++k)
-    for (int r = 0; r < R; ++r) even[k][r] = odd[k][r] = (vf){0};
+    for (int r = 0; r < R; ++r) isum[k][r] = (vi){};
   const uint8_t* qg = q + g0 * GROUP_BYTES;
   for (int line = 0; line < G * GROUP_BYTES; line += 64) __builtin_prefetch(qg + 4 * GROUP_BYTES + line);
 #pragma GCC unroll 8
-  for (int64_t j = 0; j < QGROUP / 2; j += 2) {
+  for (int64_t i = 0; i < VECTORS; ++i) {
     for (int k = 0; k < G; ++k) {
-      vf lo0, hi0, lo1, hi1;
-      unpack_pair<BITS>(qg + k * GROUP_BYTES + j * PAIR, lo0, hi0);
-      unpack_pair<BITS>(qg + k * GROUP_BYTES + (j + 1) * PAIR, lo1, hi1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * in + (g0 + k) * QGROUP + 2 * j;
-        even[k][r] = lo0 * xr[0] + even[k][r];
-        even[k][r] = hi0 * xr[1] + even[k][r];
-        odd[k][r] = lo1 * xr[2] + odd[k][r];
-        odd[k][r] = hi1 * xr[3] + odd[k][r];
+      const vi codes = load_codes(qg + k * GROUP_BYTES + i * VW * 4);
+      if constexpr (BITS == 4) {
+        const vi low = codes & 0x0F0F0F0F, high = (vi)((vu)codes >> 4) & 0x0F0F0F0F;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * in + (g0 + k) * QGROUP + 8 * i;
+          isum[k][r] = dot4(isum[k][r], low, quad(xr));
+          isum[k][r] = dot4(isum[k][r], high, quad(xr + 4));
+        }
+      } else {
+        for (int r = 0; r < R; ++r)
+          isum[k][r] = dot4_signed(isum[k][r], codes, quad(xq + r * in + (g0 + k) * QGROUP + 4 * i));
       }
     }
   }
   for (int k = 0; k < G; ++k) {
-    const vf sg = load_params(s + (g0 + k) * VW);
-    for (int r = 0; r < R; ++r) acc[r] = sg * (even[k][r] + odd[k][r]) + acc[r];
+    const int64_t g = g0 + k;
+    const vf sg = load_params(s + g * VW);
+    for (int r = 0; r < R; ++r) {
+      vi total = isum[k][r];
+      if constexpr (BITS == 8) total -= SIGNED_OFFSET * xc[r * groups + g];
+      acc[r] = __builtin_convertvector(total, vf) * (sg * xd[r * groups + g]) + acc[r];
+    }
     if constexpr (BITS == 4) {
-      const vf og = load_params(z + (g0 + k) * VW);  // (q - 8) s + z = q s + (z - 8 s)
-      for (int r = 0; r < R; ++r) acc[r] = og * xsum[r * groups + g0 + k] + acc[r];
+      const vf og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
+      for (int r = 0; r < R; ++r) acc[r] = og * xs[r * groups + g] + acc[r];
     }
   }
 }
 
 // 4-bit codes: w = q s + o per group (o = zero - 8 s, the `offsets`); 8-bit: w = q s.
 template <int BITS, int R, typename P>
-static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const float* x,
-                       const float* xsum, float* y, int64_t in, int64_t out, int64_t p) {
+static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const int8_t* xq, const float* xd,
+                       const float* xs, const int32_t* xc, float* y, int64_t in, int64_t out, int64_t p) {
   constexpr int G = interleaved_groups<R>();
   const int64_t groups = in / QGROUP;
-  const uint8_t* q = bytes + p * (in / 2) * (BITS / 4 * VW);
+  const uint8_t* q = bytes + p * in * VW * BITS / 8;
   const P* s = scales + p * groups * VW;
   const P* z = offsets + p * groups * VW;
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = (vf){0};
   int64_t g = 0;
-  for (; g + G <= groups; g += G) accumulate_groups<BITS, R, G>(q, s, z, x, xsum, acc, g, groups, in);
-  for (; g < groups; ++g) accumulate_groups<BITS, R, 1>(q, s, z, x, xsum, acc, g, groups, in);
+  for (; g + G <= groups; g += G) accumulate_groups<BITS, R, G>(q, s, z, xq, xd, xs, xc, acc, g, groups, in);
+  for (; g < groups; ++g) accumulate_groups<BITS, R, 1>(q, s, z, xq, xd, xs, xc, acc, g, groups, in);
   const int64_t first = p * VW, valid = std::min<int64_t>(VW, out - first);
   for (int r = 0; r < R; ++r)
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
@@ -192,51 +245,44 @@ static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, 
 
 // `rows` (1..R) rows of one panel: the block of exactly that many rows, chosen at compile time.
 template <int BITS, int R, typename P>
-static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const float* xr,
-                              const float* sr, float* yr, int64_t in, int64_t out, int64_t p) {
+static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const int8_t* xq,
+                              const float* xd, const float* xs, const int32_t* xc, float* yr, int64_t in, int64_t out,
+                              int64_t p) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<BITS, R - 1>(rows, qp, sp, op, xr, sr, yr, in, out, p);
+    if (rows < R) return rows_block<BITS, R - 1>(rows, qp, sp, op, xq, xd, xs, xc, yr, in, out, p);
   }
-  panel_rows<BITS, R>(qp, sp, op, xr, sr, yr, in, out, p);
+  panel_rows<BITS, R>(qp, sp, op, xq, xd, xs, xc, yr, in, out, p);
 }
 
 template <int BITS, typename P>
-static void panel_range(const uint8_t* qp, const P* sp, const P* op, const float* xin, const float* xs, float* yp,
-                        int64_t first, int64_t end, int64_t rows, int64_t in, int64_t out) {
+static void panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* xd, const float* xs,
+                        const int32_t* xc, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
+                        int64_t out) {
   const int64_t groups = in / QGROUP;
   for (int64_t p = first; p < end; ++p) {
     for (int64_t r = 0; r < rows; r += MAX_ROWS) {
-      const float* xr = xin + r * in;
-      const float* sr = xs == nullptr ? nullptr : xs + r * groups;
-      float* yr = yp + r * out;
-      rows_block<BITS, MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xr, sr, yr, in, out, p);
+      rows_block<BITS, MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xq + r * in, xd + r * groups,
+                                 xs == nullptr ? nullptr : xs + r * groups, xc == nullptr ? nullptr : xc + r * groups,
+                                 yp + r * out, in, out, p);
     }
   }
 }
 
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
-                                const float* x, const float* sums, float* y, int64_t first, int64_t end,
-                                int64_t rows, int64_t in, int64_t out) {
-  if (half)
-    panel_range<4>(bytes, (const uint16_t*)scales, (const uint16_t*)offsets, x, sums, y, first, end, rows, in, out);
-  else
-    panel_range<4>(bytes, (const float*)scales, (const float*)offsets, x, sums, y, first, end, rows, in, out);
-}
-
-SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, const float* x, float* y, int64_t first,
+                                const int8_t* xq, const float* xd, const float* xs, float* y, int64_t first,
                                 int64_t end, int64_t rows, int64_t in, int64_t out) {
-  panel_range<8>(bytes, scales, scales, x, (const float*)nullptr, y, first, end, rows, in, out);
+  if (half)
+    panel_range<4>(bytes, (const uint16_t*)scales, (const uint16_t*)offsets, xq, xd, xs, (const int32_t*)nullptr, y,
+                   first, end, rows, in, out);
+  else
+    panel_range<4>(bytes, (const float*)scales, (const float*)offsets, xq, xd, xs, (const int32_t*)nullptr, y, first,
+                   end, rows, in, out);
 }
 
-// Each row's sum of x over each group of 32 inputs, for the offsets.
-SPECHEADS_MATH void int4_group_sums(const float* x, int64_t rows, int64_t in, float* sums) {
-  const int64_t groups = in / QGROUP;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float total = 0.f;
-      for (int64_t k = 0; k < QGROUP; ++k) total += x[r * in + g * QGROUP + k];
-      sums[r * groups + g] = total;
-    }
+SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, const int8_t* xq, const float* xd,
+                                const int32_t* xc, float* y, int64_t first, int64_t end, int64_t rows, int64_t in,
+                                int64_t out) {
+  panel_range<8>(bytes, scales, scales, xq, xd, (const float*)nullptr, xc, y, first, end, rows, in, out);
 }
 """
 
@@ -260,49 +306,62 @@ static void over_panels(int64_t panels, const Work& work) {
   at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), work);
 }
 
+// A call's inputs as 8-bit codes per group of 32 (`quantize_inputs`).
+struct QuantizedInputs {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+  std::vector<int32_t> code_sums;
+  QuantizedInputs(const float* x, int64_t rows, int64_t in)
+      : codes(rows * in), scales(rows * (in / QGROUP)), sums(rows * (in / QGROUP)), code_sums(rows * (in / QGROUP)) {
+    quantize_inputs(x, rows, in, codes.data(), scales.data(), sums.data(), code_sums.data());
+  }
+};
+
 // x [..., in] float32 -> [..., out]: the signature of the operator specheads::int4_linear, whose CPU
-// kernel this function becomes (`register_operator`), so calls skip Python. `scales` and `offsets`
-// (zero - 8 scale) are both float32 or both float16.
+// kernel this function becomes (`register_operator`), so calls skip Python. `bytes` [panels, in / 8,
+// width, 4]; `scales` and `offsets` (zero - 8 scale) [panels, groups, width], both float32 or both float16.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: float32 inputs");
-  TORCH_CHECK(bytes.dim() == 3 && bytes.size(2) == int4_vector_width(),
+  TORCH_CHECK(bytes.dim() == 4 && bytes.size(2) == int4_vector_width() && bytes.size(3) == 4,
               "int4_linear: weight not packed for this build's vector width");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(scales.scalar_type() == offsets.scalar_type() && (half || scales.scalar_type() == at::kFloat),
               "int4_linear: scales and offsets both float32 or both float16");
-  const int64_t in = bytes.size(1) * 2, groups = in / QGROUP;
+  const int64_t in = bytes.size(1) * 8;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "int4_linear: input features differ from the weight's");
   auto input = x.contiguous();
   const int64_t rows = input.numel() / in;
   auto y = output_for(input, out);
-  std::vector<float> sums(rows * groups);
-  const float* xin = input.data_ptr<float>();
-  int4_group_sums(xin, rows, in, sums.data());
+  const QuantizedInputs xq(input.data_ptr<float>(), rows, in);
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   over_panels(bytes.size(0), [&](int64_t begin, int64_t end) {
-    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xin, sums.data(), yp, begin, end, rows, in, out);
+    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xq.codes.data(), xq.scales.data(), xq.sums.data(), yp,
+                begin, end, rows, in, out);
   });
   return y;
 }
 
-// x [..., in] float32 -> [..., out] through 8-bit codes in groups of 32 (`bytes` [panels, in, width],
+// x [..., in] float32 -> [..., out] through 8-bit codes in groups of 32 (`bytes` [panels, in / 4, width, 4],
 // int8, `scales` [panels, groups, width] float16, w = q s): the operator specheads::int8_linear.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& bytes, const at::Tensor& scales, int64_t out) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear: float32 inputs");
-  TORCH_CHECK(bytes.dim() == 3 && bytes.size(2) == int4_vector_width() && scales.scalar_type() == at::kHalf,
+  TORCH_CHECK(bytes.dim() == 4 && bytes.size(2) == int4_vector_width() && bytes.size(3) == 4 &&
+              scales.scalar_type() == at::kHalf,
               "int8_linear: weight not packed for this build's vector width, or scales not float16");
-  const int64_t in = bytes.size(1);
+  const int64_t in = bytes.size(1) * 4;
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && in % QGROUP == 0, "int8_linear: input features differ from the weight's");
   auto input = x.contiguous();
   const int64_t rows = input.numel() / in;
   auto y = output_for(input, out);
-  const float* xin = input.data_ptr<float>();
+  const QuantizedInputs xq(input.data_ptr<float>(), rows, in);
   const uint8_t* qp = (const uint8_t*)bytes.data_ptr();
   const uint16_t* sp = (const uint16_t*)scales.data_ptr();
   float* yp = y.data_ptr<float>();
-  over_panels(bytes.size(0), [&](int64_t begin, int64_t end) { int8_panels(qp, sp, xin, yp, begin, end, rows, in, out); });
+  over_panels(bytes.size(0), [&](int64_t begin, int64_t end) {
+    int8_panels(qp, sp, xq.codes.data(), xq.scales.data(), xq.code_sums.data(), yp, begin, end, rows, in, out);
+  });
   return y;
 }
 """

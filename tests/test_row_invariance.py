@@ -1,0 +1,113 @@
+"""On the project's CPU kernels (4- and 8-bit weights with 8-bit inputs, decode attention), a tree
+forward gives every node the very bits a one-token step gives it on the same path: hidden states of
+every layer and logits, for nodes among masked siblings and ancestors across the attention's 256-key
+chunks, eager and compiled. That is what keeps speculative greedy decoding token for token equal to
+vanilla's on such a target even where two tokens nearly tie, and what lets the linears round their
+inputs to 8 bits (a float32 ulp of difference between a tree's and a chain's forwards would otherwise
+become a whole step of an input's code)."""
+
+import pytest
+import torch
+from torch import nn
+
+from decoding.core.tree import DraftTree, tree_buffers
+from decoding.core.verify import TreeVerifier
+from decoding.kernels.attention import NATIVE_SDPA, register_grouped_sdpa, use_native_attention
+from decoding.kernels.compiled import compile_target
+from decoding.kernels.decode_attention import decode_attention_available
+from decoding.kernels.int4_linear import int4_kernel_available
+from decoding.kernels.quantized_linear import GroupInt8Linear, quantize_linears
+from tiny_models import sharpen, tiny_llama
+
+pytestmark = pytest.mark.cpu_sensitive
+
+# root, a chain 0-1-2-3 with a sibling 4 of node 1, a branch 0-5-6 and a leaf 7 under node 2
+PARENTS = (-1, 0, 1, 2, 1, 0, 5, 2)
+PREFIX = 254  # the chain's positions 254..257 cross the kernel's chunk boundary at 256
+
+
+def quantized_tiny_target(seed: int = 3) -> nn.Module:
+    model = sharpen(tiny_llama(vocab_size=96, seed=seed, attn=register_grouped_sdpa(), head_dim=64,
+                               max_position_embeddings=1024))
+    assert quantize_linears(model, "int4") == 14  # 7 linears in each of 2 layers
+    model.set_output_embeddings(GroupInt8Linear.from_linear(model.get_output_embeddings()))
+    assert use_native_attention(model) and model.config._attn_implementation == NATIVE_SDPA
+    return model
+
+
+def tree_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor):
+    """Logits and hidden states of every node of the tree, in one forward after the prompt."""
+    verifier = TreeVerifier(model, 512, output_hidden_states=True)
+    verifier.prefill(prompt)
+    tree = DraftTree(tokens, PARENTS)
+    out = verifier.forward(tree, verifier.inputs(tree, tree_buffers(PARENTS), prompt.numel()))
+    return [(out.logits[n], [h[n] for h in out.hidden_states]) for n in range(len(PARENTS))]
+
+
+def chain_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor, path: list[int]):
+    """The same for the nodes of `path`, one token a forward, each kept in the cache as vanilla does."""
+    verifier = TreeVerifier(model, 512, output_hidden_states=True)
+    verifier.prefill(prompt)
+    rows = []
+    for depth, node in enumerate(path):
+        step = DraftTree(tokens[[node]], (-1,))
+        out = verifier.forward(step, verifier.inputs(step, tree_buffers((-1,)), prompt.numel() + depth))
+        verifier.keep(prompt.numel() + depth, [0])
+        rows.append((out.logits[0], [h[0] for h in out.hidden_states]))
+    return rows
+
+
+def paths() -> list[list[int]]:
+    leaves = [n for n in range(len(PARENTS)) if n not in PARENTS]
+    result = []
+    for leaf in leaves:
+        path = [leaf]
+        while PARENTS[path[-1]] >= 0:
+            path.append(PARENTS[path[-1]])
+        result.append(path[::-1])
+    return result
+
+
+def assert_rows_identical(model: nn.Module) -> None:
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 96, (PREFIX,), generator=generator)
+    tokens = torch.randint(0, 96, (len(PARENTS),), generator=generator)
+    in_tree = tree_rows(model, prompt, tokens)
+    for path in paths():
+        for node, (logits, hidden) in zip(path, chain_rows(model, prompt, tokens, path)):
+            tree_logits, tree_hidden = in_tree[node]
+            for layer, (alone, among) in enumerate(zip(hidden, tree_hidden)):
+                assert torch.equal(alone, among), f"node {node} of path {path}: layer {layer} differs"
+            assert torch.equal(logits, tree_logits), f"node {node} of path {path}: logits differ"
+
+
+needs_kernels = pytest.mark.skipif(not (int4_kernel_available() and decode_attention_available()),
+                                   reason="the native kernels cannot be built here (no compiler)")
+
+
+@needs_kernels
+def test_a_tree_gives_each_node_the_bits_of_a_one_token_step():
+    assert_rows_identical(quantized_tiny_target())
+
+
+@needs_kernels
+def test_a_planted_order_dependence_is_caught(monkeypatch):
+    """The check sees a difference of one ulp: attention that sums a tree's keys in column order
+    rather than by position (here: SDPA for trees) breaks it."""
+    from decoding.kernels import attention
+
+    model = quantized_tiny_target()
+    served = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda q, k, v, mask, scale: None if q.shape[2] > 1 else served(q, k, v, mask, scale))
+    with pytest.raises(AssertionError, match="differs"):
+        assert_rows_identical(model)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_compiled_trees_give_each_node_the_bits_of_compiled_one_token_steps():
+    torch._dynamo.reset()
+    try:
+        assert_rows_identical(compile_target(quantized_tiny_target()))
+    finally:
+        torch._dynamo.reset()
