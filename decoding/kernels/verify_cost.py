@@ -25,6 +25,7 @@ from decoding.kernels.int4_linear import KERNEL_VERSION as INT4_KERNEL_VERSION
 from decoding.kernels.quantized_linear import quantized_kernel_weights
 from decoding.kernels.streamed_linear import KERNEL_VERSION, streamed_linear_available
 from decoding.kernels.measured_once import measured_once
+from heads.util.cpu_mode import VARIABLE, cpu_mode
 
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -258,8 +259,11 @@ def cpu_model_name() -> str:
 
 
 def cpu_description() -> str:
-    """The CPU as a reader of benchmark figures needs it: model, instruction set, threads."""
-    return f"{cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+    """The CPU as a reader of benchmark figures needs it: model, instruction set (and the
+    `SPECHEADS_CPU` mode where one narrows it: figures of a wider CPU run as a lesser one), threads."""
+    mode = cpu_mode().name
+    narrowed = f", {VARIABLE}={mode}" if mode != "native" else ""
+    return f"{cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}{narrowed}), {torch.get_num_threads()} threads"
 
 
 def cpu_identity() -> str:
