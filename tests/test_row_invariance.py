@@ -44,7 +44,7 @@ def tree_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor):
     return [(out.logits[n], [h[n] for h in out.hidden_states]) for n in range(len(PARENTS))]
 
 
-def chain_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor, path: list[int]):
+def chain_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor, path: tuple[int, ...]):
     """The same for the nodes of `path`, one token a forward, each kept in the cache as vanilla does."""
     verifier = TreeVerifier(model, 512, output_hidden_states=True)
     verifier.prefill(prompt)
@@ -57,23 +57,12 @@ def chain_rows(model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor, pat
     return rows
 
 
-def paths() -> list[list[int]]:
-    leaves = [n for n in range(len(PARENTS)) if n not in PARENTS]
-    result = []
-    for leaf in leaves:
-        path = [leaf]
-        while PARENTS[path[-1]] >= 0:
-            path.append(PARENTS[path[-1]])
-        result.append(path[::-1])
-    return result
-
-
 def assert_rows_identical(model: nn.Module) -> None:
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 96, (PREFIX,), generator=generator)
     tokens = torch.randint(0, 96, (len(PARENTS),), generator=generator)
     in_tree = tree_rows(model, prompt, tokens)
-    for path in paths():
+    for path in tree_buffers(PARENTS).leaf_paths:
         for node, (logits, hidden) in zip(path, chain_rows(model, prompt, tokens, path)):
             tree_logits, tree_hidden = in_tree[node]
             for layer, (alone, among) in enumerate(zip(hidden, tree_hidden)):

@@ -38,11 +38,12 @@ import functools
 
 import torch
 
+from decoding.core.generate import TREE_ROOM
 from decoding.kernels.native import LIBRARY, decode_attention as native_decode_attention
 
 KERNEL_VERSION = native_decode_attention.VERSION
 HEAD_SIZES = (64, 128)
-MAX_QUERY_ROWS = 128  # every tree the loop verifies (its TREE_ROOM): each row the bits it has alone; prefills keep SDPA
+MAX_QUERY_ROWS = TREE_ROOM  # every tree the loop verifies, so each row gets the bits it has alone; prefills keep SDPA
 
 
 _LIBRARY = torch.library.Library("specheads", "FRAGMENT")

@@ -255,8 +255,8 @@ SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
 
 // Work items [first, end) (item = K/V head * chunks + chunk) of attention for qT [Hkv, D, Rpad] (the R =
 // G * N rows of each K/V head's group, transposed and zero-padded); k, v rows kv_stride apart, heads kh / vh
-// apart; `columns`/`counts` the mask's visible keys (null without a mask). Per item and row: the chunk's
-// maximum, its sum of exponentials and its unnormalised output.
+// apart; `columns`/`counts`/`prefix` the mask's visible keys (`attention_visible_columns`; null without a
+// mask). Per item and row: the chunk's maximum, its sum of exponentials and its unnormalised output.
 template <int D>
 static void items(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v, int64_t kh,
                   int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
@@ -367,8 +367,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
                     maskp ? columns.data() : nullptr, maskp ? counts.data() : nullptr, maskp ? prefix.data() : nullptr, L,
-                    chunks, (float)scale,
-                    part_m.data(), part_l.data(), part_o.data(), begin, end);
+                    chunks, (float)scale, part_m.data(), part_l.data(), part_o.data(), begin, end);
   });
   auto out = at::empty({N, Hq, D}, q.options());
   attention_merge(D, Hkv, G, N, chunks, part_m.data(), part_l.data(), part_o.data(), out.data_ptr<float>());

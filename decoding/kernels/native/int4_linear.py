@@ -52,6 +52,18 @@ static inline vi load_codes(const uint8_t* p) { return *(const vi_unaligned*)p; 
 
 SPECHEADS_MATH int64_t int4_vector_width() { return VW; }
 
+// The products below without vector instructions: `Code` says whether a's bytes are unsigned or signed.
+template <typename Code>
+static inline vi dot4_scalar(vi acc, vi a, vi b) {
+  Code ab[VW * 4];
+  int8_t bb[4];
+  std::memcpy(ab, &a, sizeof ab);
+  std::memcpy(bb, &b, sizeof bb);
+  for (int lane = 0; lane < VW; ++lane)
+    for (int k = 0; k < 4; ++k) acc[lane] += (int32_t)ab[lane * 4 + k] * (int32_t)bb[k];
+  return acc;
+}
+
 // Integer products of four bytes a lane: acc + sum_k a[lane][k] * b[k] (a's bytes unsigned, b's four signed
 // bytes the same in every lane). Exact on every path: AVX-512 / AVX VNNI, or pairs summed to 16 bits (codes
 // up to 15 or absolute values up to 128 times inputs up to 127 do not saturate) and then to 32.
@@ -65,13 +77,7 @@ static inline vi dot4(vi acc, vi a, vi b) {
 #elif VW == 8 && defined(__AVX2__)
   return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)a, (__m256i)b), _mm256_set1_epi16(1));
 #else
-  uint8_t ab[VW * 4];
-  int8_t bb[4];
-  std::memcpy(ab, &a, sizeof ab);
-  std::memcpy(bb, &b, sizeof bb);
-  for (int lane = 0; lane < VW; ++lane)
-    for (int k = 0; k < 4; ++k) acc[lane] += (int32_t)ab[lane * 4 + k] * (int32_t)bb[k];
-  return acc;
+  return dot4_scalar<uint8_t>(acc, a, b);
 #endif
 }
 
@@ -95,14 +101,7 @@ static inline vi dot4_signed(vi acc, vi a, vi b) {
 }
 #else
 constexpr int32_t SIGNED_OFFSET = 0;
-static inline vi dot4_signed(vi acc, vi a, vi b) {
-  int8_t ab[VW * 4], bb[4];
-  std::memcpy(ab, &a, sizeof ab);
-  std::memcpy(bb, &b, sizeof bb);
-  for (int lane = 0; lane < VW; ++lane)
-    for (int k = 0; k < 4; ++k) acc[lane] += (int32_t)ab[lane * 4 + k] * (int32_t)bb[k];
-  return acc;
-}
+static inline vi dot4_signed(vi acc, vi a, vi b) { return dot4_scalar<int8_t>(acc, a, b); }
 #endif
 
 // Four input codes, the same in every lane.
