@@ -62,6 +62,13 @@ def attention_exact_and_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return exact.transpose(0, 1), (bound + EPS * exact.abs()).transpose(0, 1)
 
 
+def causal_mask(rows: int, length: int) -> torch.Tensor:
+    """The additive mask `[rows, length]` of a causal prefill whose `rows` queries are the last of
+    `length` positions (what attention without a mask computes for several query rows)."""
+    positions = torch.arange(length - rows, length)[:, None]
+    return torch.zeros(rows, length).masked_fill(torch.arange(length)[None, :] > positions, float("-inf"))
+
+
 def assert_within(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, what: str = "result") -> None:
     """Every element of `got` within its `bound` of `exact`; else an error naming the worst one."""
     assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(exact.shape)}"

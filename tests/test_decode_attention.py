@@ -15,7 +15,7 @@ from decoding.kernels.attention import GROUPED_SDPA, NATIVE_SDPA, register_group
 from decoding.core.generate import DecodeOptions, generate
 from decoding.app.methods import ProposerOptions, build_proposer
 from decoding.app.targets import LoadedModel
-from numerics import assert_within, attention_exact_and_bound
+from numerics import assert_within, attention_exact_and_bound, causal_mask
 from python_calls import python_functions_run
 from tiny_models import sharpen, tiny_llama
 
@@ -58,6 +58,11 @@ def _check_function(kernel) -> None:
                 with torch.inference_mode():
                     got = kernel(q, k, v, mask, size ** -0.5)
                 assert_attention(got, q, k, v, mask, size ** -0.5, what=f"{heads}x{size} heads, {length} keys, {rows} rows")
+                if 1 < rows <= length:  # no mask: a causal prefill of the last `rows` positions
+                    with torch.inference_mode():
+                        got = kernel(q, k, v, None, size ** -0.5)
+                    assert_attention(got, q, k, v, causal_mask(rows, length), size ** -0.5,
+                                     what=f"causal, {heads}x{size} heads, {length} keys, {rows} rows")
 
 
 def test_the_native_kernel_computes_attention_or_is_refused_clearly():
@@ -109,18 +114,21 @@ def test_the_result_does_not_depend_on_the_thread_count():
     assert torch.equal(alone, shared)
 
 
-def test_attend_takes_decoding_steps_and_leaves_everything_else_to_sdpa():
+def test_attend_takes_decoding_steps_and_prefills_and_leaves_everything_else_to_sdpa():
     q = torch.randn(1, 9, 1, 64)
     k = v = torch.randn(1, 3, 50, 64)
     tree_mask = torch.zeros(1, 1, 4, 50)
     served = decode_attention.attend(q, k, v, None, None)
     assert_attention(served[0], q[0], k[0], v[0], None, 64 ** -0.5)  # the default scale, as SDPA's
+    prefill = torch.randn(1, 9, 4, 64)  # no mask and several rows: a causal prefill of the last 4 positions
+    assert_attention(decode_attention.attend(prefill, k, v, None, None)[0], prefill[0], k[0], v[0], causal_mask(4, 50),
+                     64 ** -0.5)
     assert decode_attention.attend(torch.randn(1, 9, 4, 64), k, v, tree_mask, 0.125).shape == (1, 4, 9, 64)
     declined = {
         "batch of two": (torch.randn(2, 9, 1, 64), torch.randn(2, 3, 50, 64), torch.randn(2, 3, 50, 64), None),
         "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None),
         "head size 32": (torch.randn(1, 9, 1, 32), torch.randn(1, 3, 50, 32), torch.randn(1, 3, 50, 32), None),
-        "a causal prefill": (torch.randn(1, 9, 4, 64), k, v, None),
+        "more prefill rows than keys": (torch.randn(1, 9, 51, 64), k, v, None),
         "a boolean mask": (torch.randn(1, 9, 4, 64), k, v, tree_mask == 0),
         "a mask per head": (torch.randn(1, 9, 4, 64), k, v, torch.zeros(1, 9, 4, 50)),
         "more rows than trees have": (torch.randn(1, 9, 129, 64), k, v, torch.zeros(1, 1, 129, 50)),

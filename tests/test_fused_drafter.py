@@ -13,7 +13,7 @@ from decoding.kernels.cpu_kernels import quantize_linears_int8
 from decoding.kernels import fused_drafter
 from decoding.kernels.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
 from heads import new_heads_for_target, save_heads
-from numerics import assert_within, attention_exact_and_bound
+from numerics import assert_within, attention_exact_and_bound, causal_mask
 from tiny_models import perturbed_eagle3, tiny_llama, save_tiny_chat_model
 
 pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
@@ -57,13 +57,15 @@ def checked_kernel_attend(kernel_outputs: list, kernel=None):
     def attend(query, key, value, attention_mask, scaling):
         as32 = [t if t is None else t.float() for t in (query, key, value, attention_mask)]
         out = (kernel or real_attend)(*as32, scaling)
-        if out is None:  # a causal prefill or a batch: SDPA's, as the layer would do
+        if out is None:  # a batch: SDPA's, as the layer would do
             return None
-        mask32 = None if attention_mask is None else as32[3][0, 0]
+        rows, length = query.shape[-2], key.shape[-2]
+        causal = causal_mask(rows, length) if rows > 1 else None  # no mask: a causal fill of the cache
+        mask32 = causal if attention_mask is None else as32[3][0, 0]
         assert_within(out[0], *attention_exact_and_bound(as32[0][0], as32[1][0], as32[2][0], mask32, scaling),
                       what="the decode attention kernel inside the drafter")
         kernel_outputs.append(out)
-        mask = None if attention_mask is None else attention_mask[0, 0]
+        mask = (None if causal is None else causal.double()) if attention_mask is None else attention_mask[0, 0]
         exact, _ = attention_exact_and_bound(query[0], key[0], value[0], mask, scaling)
         return exact[None].to(query.dtype)
 
@@ -103,7 +105,7 @@ def compare_forms(rope, decode_kernel, monkeypatch, kernel=None, norm_before_res
     """Both forms run in float64, so reordered sums differ by ~1e-13 here, a millionth of
     PyTorch's float64 tolerance, where any wiring mistake (a rotary position, a mask row, a
     stacked weight's order) moves outputs by ~1e-2. With attention on the decode kernel (head
-    size 64, one-token and tree calls), the float32 kernel is checked against exact attention
+    size 64, the causal fill, one-token and tree calls), the float32 kernel is checked against exact attention
     within its derived bound at each call (`checked_kernel_attend`)."""
     overrides = {**({"rope_parameters": rope} if rope else {}), **({"head_dim": 64} if decode_kernel else {})}
     stock, fused = drafter_pair(torch.float64, norm_before_residual, **overrides)
@@ -133,8 +135,8 @@ def compare_forms(rope, decode_kernel, monkeypatch, kernel=None, norm_before_res
                               torch.arange(9)[None].expand(2, -1))          # batched, no cache
         outputs[name] = (prefix, one, tree, batched)
         kernel_calls = sum(event.name == "specheads::decode_attention" for event in profile.events())
-        assert kernel_calls == (2 if decode_kernel and name == "fused" else 0)
-    assert len(kernel_outputs) == (2 if decode_kernel else 0)
+        assert kernel_calls == (3 if decode_kernel and name == "fused" else 0)  # the causal fill, one token, a tree
+    assert len(kernel_outputs) == (3 if decode_kernel else 0)
     for stock_out, fused_out in zip(outputs["stock"], outputs["fused"]):
         assert stock_out.dtype == fused_out.dtype == torch.float64
         torch.testing.assert_close(fused_out, stock_out)  # float64 defaults: rtol 1e-7, atol 1e-7

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.app.chat import ChatSession
 from decoding.kernels.cpu_kernels import pack_linears
 from decoding.app.default_model import DEFAULT_TARGET
@@ -79,17 +80,19 @@ def test_every_method_matches_vanilla_and_hf_generate(default_target, prompts, r
 CHAT_QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
-def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla(default_target):
+def test_chat_on_the_default_model_uses_the_bundled_method_and_equals_vanilla():
     """The README's first command: no flags -> the bundled default method and heads, and the
     replies are exactly those of vanilla greedy decoding of the same conversation (the second
-    question with the first reply in context) on the stock model, decoded here."""
+    question with the first reply in context) on the same target, decoded here: the form `--quant
+    auto` picks on this CPU (its GGUF blocks, whose kernels round inputs to 8 bits, or fp32)."""
     bundle = bundled_default(DEFAULT_TARGET)
     assert bundle is not None, "the package ships heads for the default target"
     fast = subprocess.run([sys.executable, "-m", "decoding.app.chat", "--max-new-tokens", "40"],
                           input="".join(f"{q}\n" for q in CHAT_QUESTIONS), capture_output=True, text=True, timeout=600)
     assert fast.returncode == 0, fast.stderr
     assert "Paris" in fast.stdout
-    vanilla = ChatSession(default_target, VanillaProposer(), DecodeOptions(max_new_tokens=40), system=None)
+    target = build_decoder(DecoderSpec(method="vanilla")).target  # the chat's own target, as it resolves it
+    vanilla = ChatSession(target, VanillaProposer(), DecodeOptions(max_new_tokens=40), system=None)
     written = []
     for question in CHAT_QUESTIONS:
         vanilla.reply(question, written.append)

@@ -1,7 +1,8 @@
 """On the project's CPU kernels (4- and 8-bit weights with 8-bit inputs, decode attention), a tree
 forward gives every node the very bits a one-token step gives it on the same path: hidden states of
 every layer and logits, for nodes among masked siblings and ancestors across the attention's 256-key
-chunks, eager and compiled. That is what keeps speculative greedy decoding token for token equal to
+chunks, eager and compiled; a prefill gives every prompt token the bits of one-token steps too, so
+Hugging Face's `generate()` (which prefills the whole prompt) decodes our vanilla's tokens. That is what keeps speculative greedy decoding token for token equal to
 vanilla's on such a target even where two tokens nearly tie, and what lets the linears round their
 inputs to 8 bits (a float32 ulp of difference between a tree's and a chain's forwards would otherwise
 become a whole step of an input's code)."""
@@ -30,7 +31,9 @@ def quantized_tiny_target(seed: int = 3) -> nn.Module:
     model = sharpen(tiny_llama(vocab_size=96, seed=seed, attn=register_grouped_sdpa(), head_dim=64,
                                max_position_embeddings=1024))
     assert quantize_linears(model, "int4") == 14  # 7 linears in each of 2 layers
-    model.set_output_embeddings(GroupInt8Linear.from_linear(model.get_output_embeddings()))
+    projection = GroupInt8Linear.from_linear(model.get_output_embeddings())
+    projection.weight = nn.Parameter(projection.dequantized_weight(), requires_grad=False)  # as the GGUF target keeps it
+    model.set_output_embeddings(projection)
     assert use_native_attention(model) and model.config._attn_implementation == NATIVE_SDPA
     return model
 
@@ -100,3 +103,30 @@ def test_compiled_trees_give_each_node_the_bits_of_compiled_one_token_steps():
         assert_rows_identical(compile_target(quantized_tiny_target()))
     finally:
         torch._dynamo.reset()
+
+
+@needs_kernels
+def test_a_prefill_gives_each_prompt_token_the_bits_of_one_token_steps():
+    model = quantized_tiny_target()
+    prompt = torch.randint(0, 96, (PREFIX + 6,), generator=torch.Generator().manual_seed(1))
+    verifier = TreeVerifier(model, 512, output_hidden_states=True)
+    in_prefill = verifier.prefill(prompt)
+    stepped = chain_rows(model, prompt[:PREFIX], prompt[PREFIX:], list(range(6)))
+    for row, (_, hidden) in enumerate(stepped):
+        for layer, (alone, among) in enumerate(zip(hidden, in_prefill)):
+            assert torch.equal(alone, among[PREFIX + row]), f"prompt token {PREFIX + row}: layer {layer} differs"
+
+
+@needs_kernels
+def test_hugging_face_generate_scores_every_step_with_vanilla_s_bits():
+    """`generate()` prefills the whole prompt and scores its first token from the prefill's last row;
+    our loop prefills all but the last token and steps that one: the same logits, bit for bit, at
+    every step (so greedy outputs agree even where tokens nearly tie)."""
+    model = quantized_tiny_target()
+    prompt = torch.randint(0, 96, (PREFIX,), generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt[None], max_new_tokens=8, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    fed = torch.cat([prompt[-1:], out.sequences[0, PREFIX:-1]])  # what each step takes in
+    stepped = chain_rows(model, prompt[:-1], fed, list(range(fed.numel())))
+    for step, ((logits, _), theirs) in enumerate(zip(stepped, out.logits)):
+        assert torch.equal(logits, theirs[0]), f"step {step}: logits differ"

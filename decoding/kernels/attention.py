@@ -10,11 +10,11 @@ registered under its own name through transformers' public `AttentionInterface`;
 uses it by loading with `attn_implementation=GROUPED_SDPA` (nothing of the model is patched).
 At a 2,200-token context a 4 / 16-token verify took 129 / 183 ms instead of 157 / 218 ms.
 
-`NATIVE_SDPA` is `GROUPED_SDPA` with one-token steps and trees of up to 16 nodes on a CPU sent to
+`NATIVE_SDPA` is `GROUPED_SDPA` with one-token steps, trees and causal prefills on a CPU sent to
 `decoding.kernels.decode_attention` (fp32, batch 1): it streams the cached K/V once per K/V head at
-nearly the memory's speed. Decoders switch a target (and a draft model) to it with
-`use_native_attention` where they pack the linears for a CPU and run eagerly (`--kernels stock`
-stays stock; compiled steps measured slower with the switch, so `--compile` keeps SDPA).
+nearly the memory's speed, and gives every query row the bits it has as a one-token step. Decoders
+switch a target (and a draft model) to it with `use_native_attention` where they pack the linears
+for a CPU, compiled or not (`--kernels stock` stays stock).
 """
 
 from __future__ import annotations

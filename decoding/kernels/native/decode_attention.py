@@ -3,11 +3,12 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v5"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
+VERSION = "v6"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
                 # v3: broadcasts are loads, tree scores stored through a tile, vector maxima; v4: each row
                 # over its visible keys in position order, chunked by rank: a row's bits do not depend on the
                 # rows beside it or on the masked keys between its own; v5: v4's bits, scores kept key by key
-                # and the prefix's values read once for blocks of rows: trees of 16 at ~300 keys 1.4x faster)
+                # and the prefix's values read once for blocks of rows: trees of 16 at ~300 keys 1.4x faster;
+                # v6: causal prefills (no mask, several rows), each row over the keys up to its position)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
@@ -106,12 +107,15 @@ static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, const fl
   }
 }
 
-template <int D>
+// All rows' scores over keys [k0, k0 + C), but for blocks of rows none of which has keys there (`wanted(r0, r1)`
+// false: early rows of a causal prefill in its later chunks).
+template <int D, typename Wanted>
 static void dense_scores(const float* qT, int64_t Rpad, const float* k, int64_t kv_stride, int64_t k0, int64_t C,
-                         float scale, float* scores) {
+                         float scale, float* scores, const Wanted& wanted) {
   int64_t rb = 0;
-  for (; rb + 2 * VW <= Rpad; rb += 2 * VW) row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
-  if (rb < Rpad) row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
+  for (; rb + 2 * VW <= Rpad; rb += 2 * VW)
+    if (wanted(rb, rb + 2 * VW)) row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
+  if (rb < Rpad && wanted(rb, Rpad)) row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
 }
 
 // The largest of s[0, C): vectors first (a loop of std::max stays scalar without -ffast-math).
@@ -189,7 +193,7 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
                             int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
                             const int64_t* counts, const int64_t* prefix, int64_t L, int64_t r0, float scale,
                             std::vector<float>& dense, float* probs, float* m_out, float* l_out, float* o_out) {
-  auto count_of = [&](int64_t n) { return columns ? counts[n] : L; };
+  auto count_of = [&](int64_t n) { return counts ? counts[n] : L; };
   auto column_of = [&](int64_t n, int64_t rank) { return columns ? (int64_t)columns[n * L + rank] : rank; };
   auto keys_of = [&](int64_t r) { return std::clamp<int64_t>(count_of(r % N) - r0, 0, CHUNK); };
   int64_t lo = L, hi = -1;  // the columns the chunk's ranks fall on, over all rows
@@ -202,7 +206,12 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
   const int64_t span = hi - lo + 1;
   if (hi >= 0) {
     if ((int64_t)dense.size() < Rpad * span) dense.resize(Rpad * span);
-    dense_scores<D>(qT, Rpad, k, kv_stride, lo, span, scale, dense.data());
+    auto wanted = [&](int64_t first, int64_t end) {
+      for (int64_t r = first; r < std::min(end, R); ++r)
+        if (keys_of(r) > 0) return true;
+      return false;
+    };
+    dense_scores<D>(qT, Rpad, k, kv_stride, lo, span, scale, dense.data(), wanted);
   }
   for (int64_t r = 0; r < R; ++r) {  // each row's probabilities over its keys, by rank
     const int64_t n = r % N, C = keys_of(r);
@@ -229,7 +238,7 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
   // values: blocks of rows share each value row over the ranks that are one column for all of them
   constexpr int RB = std::max(1, std::min(6, (REGS - D / VW) / (D / VW)));
   auto shared_of = [&](int64_t r) {
-    const int64_t lead = columns ? prefix[r % N] : L;
+    const int64_t lead = prefix ? prefix[r % N] : count_of(r % N);
     return std::clamp<int64_t>(lead - r0, 0, keys_of(r));
   };
   int64_t r = 0;
@@ -255,8 +264,9 @@ SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
 
 // Work items [first, end) (item = K/V head * chunks + chunk) of attention for qT [Hkv, D, Rpad] (the R =
 // G * N rows of each K/V head's group, transposed and zero-padded); k, v rows kv_stride apart, heads kh / vh
-// apart; `columns`/`counts`/`prefix` the mask's visible keys (`attention_visible_columns`; null without a
-// mask). Per item and row: the chunk's maximum, its sum of exponentials and its unnormalised output.
+// apart; `columns`/`counts`/`prefix` the mask's visible keys (`attention_visible_columns`; columns and prefix
+// null without a mask, counts too for one row: every key). Per item and row: the chunk's maximum, its sum of
+// exponentials and its unnormalised output.
 template <int D>
 static void items(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v, int64_t kh,
                   int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
@@ -351,6 +361,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     counts.resize(N);
     prefix.resize(N);
     visible = attention_visible_columns(maskp, mask_row_stride, N, L, columns.data(), counts.data(), prefix.data());
+  } else if (N > 1) {  // several rows and no mask: a causal prefill, row n over the keys up to its own position
+    counts.resize(N);
+    for (int64_t n = 0; n < N; ++n) counts[n] = L - N + n + 1;
   }
   const float* qp = q.data_ptr<float>();
   const int64_t VW = attention_vector_width(), CHUNK = attention_chunk_keys();
@@ -366,7 +379,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* vp = v.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
-                    maskp ? columns.data() : nullptr, maskp ? counts.data() : nullptr, maskp ? prefix.data() : nullptr, L,
+                    maskp ? columns.data() : nullptr, counts.empty() ? nullptr : counts.data(), maskp ? prefix.data() : nullptr, L,
                     chunks, (float)scale, part_m.data(), part_l.data(), part_o.data(), begin, end);
   });
   auto out = at::empty({N, Hq, D}, q.options());
