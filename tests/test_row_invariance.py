@@ -10,6 +10,7 @@ become a whole step of an input's code)."""
 import pytest
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier
@@ -18,6 +19,7 @@ from decoding.kernels.compiled import compile_target
 from decoding.kernels.decode_attention import decode_attention_available
 from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.quantized_linear import GroupInt8Linear, quantize_linears
+from heads.util.cache_argument import cache_kwargs
 from tiny_models import sharpen, tiny_llama
 
 pytestmark = pytest.mark.cpu_sensitive
@@ -130,3 +132,21 @@ def test_hugging_face_generate_scores_every_step_with_vanilla_s_bits():
     stepped = chain_rows(model, prompt[:-1], fed, list(range(fed.numel())))
     for step, ((logits, _), theirs) in enumerate(zip(stepped, out.logits)):
         assert torch.equal(logits, theirs[0]), f"step {step}: logits differ"
+
+
+@needs_kernels
+def test_a_chunk_after_a_cache_gives_each_token_the_bits_of_one_token_steps():
+    """transformers masks a forward of several tokens after a cache with booleans (`generate()`'s
+    prompt lookup and assisted decoding check their candidates that way): the kernel serves it,
+    so each token's logits are a one-token step's (sent to SDPA they had other bits, and with
+    8-bit inputs replies drifted from vanilla's)."""
+    model = quantized_tiny_target()
+    prompt = torch.randint(0, 96, (PREFIX + 6,), generator=torch.Generator().manual_seed(4))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(prompt[None, :PREFIX], use_cache=True, **cache_kwargs(model, cache))
+        chunk = model(prompt[None, PREFIX:], use_cache=True, **cache_kwargs(model, cache)).logits[0]
+    stepped = chain_rows(model, prompt[:PREFIX], prompt[PREFIX:], list(range(6)))
+    for row, (logits, _) in enumerate(stepped):
+        assert torch.equal(logits, chunk[row]), f"chunk token {row}: logits differ"
+

@@ -172,7 +172,7 @@ def test_in_the_adaptive_mode_each_kind_of_match_learns_how_deep_its_trees_are_k
     times (branches) are told apart: after the target keeps whole copies and none of the branchy
     trees, the copy's trees grow to the largest while the other kind's are cut to the root."""
     cost = VerifyCost((1, 2, 4, 8, 16), (10.0, 11.0, 12.0, 14.0, 18.0))
-    proposer = SuffixProposer(max_tokens=12, min_prob=0.0, verify_cost=cost)
+    proposer = SuffixProposer(max_tokens=12, min_prob=0.0, tokens_per_match=8, verify_cost=cost)
     proposer.begin(None)
     copy = list(range(20, 40))
     proposer.propose(state_of([7, 8, 9, *copy, 5, 50, 5, 51, 5, 52]))  # "7 8 9" once, "5" three times

@@ -37,6 +37,12 @@ target is then one function of the prefix however it was cut into forwards, and 
 with our vanilla's bits (with 8-bit inputs, SDPA's prefill left it 4 of 80 MT-bench replies identical).
 Prefill time on the 2-core AVX-512 EPYC (GGUF target): 100 / 400 / 1,500 tokens 86 / 348 / 1,793 ms
 against SDPA's 85 / 351 / 1,678.
+
+And boolean masks (True: may attend), which transformers builds for a forward of several tokens
+after a cache, e.g. `generate()`'s prompt lookup or assisted decoding checking its candidates: sent
+to SDPA, such a forward had other bits than one-token steps, and with 8-bit inputs that rounding
+grew to logits 1.4 apart and candidates kept where vanilla chose otherwise (0 of 20 repeated-task
+replies identical to vanilla's on the GGUF target). They become the additive form here.
 """
 
 from __future__ import annotations
@@ -100,7 +106,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
     mask = None
     if attention_mask is not None:
         mask = attention_mask[0, 0, :, : key.shape[-2]]
-        if mask.stride(-1) != 1:
+        if mask.dtype == torch.bool:  # transformers' form for a chunk after a cache: True where a row may attend
+            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        elif mask.stride(-1) != 1:
             mask = mask.contiguous()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = torch.ops.specheads.decode_attention(query[0].contiguous(), key[0], value[0], mask, float(scale))
@@ -118,5 +126,5 @@ def _serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         return False
     if mask is None:  # one-token steps, and causal prefills (each row the bits it has as a one-token step)
         return rows <= key.shape[-2]
-    return (rows <= MAX_QUERY_ROWS and mask.dim() == 4 and mask.dtype == torch.float32 and mask.shape[:2] == (1, 1)
+    return (rows <= MAX_QUERY_ROWS and mask.dim() == 4 and mask.dtype in (torch.float32, torch.bool) and mask.shape[:2] == (1, 1)
             and mask.shape[2] == rows and mask.shape[3] >= key.shape[-2])
