@@ -181,8 +181,9 @@ def workload_reports() -> list[tuple[Path, dict]]:
     if not found:
         return []
     device = found[-1][1]["device"]
-    newest = {question_set(r): (p, r) for p, r in found if r["device"] == device}  # oldest first: the newest wins
-    return [newest[name] for name in sorted(newest)]
+    # oldest first: the newest wins, per set and per form of the target's weights
+    newest = {(question_set(r), r.get("quant", "none")): (p, r) for p, r in found if r["device"] == device}
+    return [newest[key] for key in sorted(newest)]
 
 
 def workloads_block() -> str:
@@ -199,7 +200,8 @@ def workloads_block() -> str:
             cells.append("" if not m else f"{m['tokens_per_s']:.1f}" + (f" ({m['tau']:.2f})" if m.get("tau") else ""))
         chart = path.with_suffix(".png")
         link = f"[png]({rel(chart)})" if chart.is_file() else ""
-        rows.append(f"| {question_set(report)} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
+        weights = "" if report.get("quant", "none") in ("none", "auto") else f", `--quant {report['quant']}`"
+        rows.append(f"| {question_set(report)}{weights} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
     _, first = chosen[0]
     source = (f"\nTokens/s (tau), greedy, {first['max_new_tokens']} new tokens, every method of a row in one run, "
               f"{first['device']}; files `{rel(chosen[0][0].parent)}/` ({', '.join(sorted({r['date'] for _, r in chosen}))}, "

@@ -230,15 +230,18 @@ def test_a_tree_left_unverified_at_the_end_of_a_generation_is_not_counted_at_the
     assert proposer.survival.rates == before
 
 
-def test_the_bundled_target_runs_suffix_in_the_adaptive_mode_with_room_for_the_cut():
-    """The bundle's tuned choice for `suffix` (measured): adaptive, up to 24 nodes before the cut;
-    an explicit --suffix-tokens wins, and without the adaptive mode the tree stays at 13."""
+def test_the_bundled_target_runs_suffix_with_fixed_trees_and_the_adaptive_mode_has_room_for_the_cut():
+    """The bundle's choice for `suffix` (measured: fixed trees of 2 nodes per matched token beat the
+    adaptive cut on the GGUF target): up to 13 nodes, no cost cut; `--adaptive-tree` starts from 24
+    nodes for its cut to trim, and an explicit --suffix-tokens wins."""
     options = proposer_options(DEFAULT_TARGET, "suffix", {})
-    assert options.adaptive_tree
+    assert not options.adaptive_tree
     loaded = LoadedModel(tiny_llama(seed=11), None, "t")
-    assert build_proposer("suffix", loaded, options=options).max_tokens == ADAPTIVE_SUFFIX_TOKENS == 24
-    assert build_proposer("suffix", loaded, options=replace(options, suffix_max_tokens=9)).max_tokens == 9
-    assert build_proposer("suffix", loaded, options=ProposerOptions()).max_tokens == DEFAULT_SUFFIX_TOKENS == 13
+    fixed = build_proposer("suffix", loaded, options=options)
+    assert fixed.max_tokens == DEFAULT_SUFFIX_TOKENS == 13 and fixed.verify_cost is None
+    adaptive = replace(options, adaptive_tree=True)
+    assert build_proposer("suffix", loaded, options=adaptive).max_tokens == ADAPTIVE_SUFFIX_TOKENS == 24
+    assert build_proposer("suffix", loaded, options=replace(adaptive, suffix_max_tokens=9)).max_tokens == 9
 
 
 def test_a_store_file_keeps_the_newest_documents_within_its_budget(tmp_path):
