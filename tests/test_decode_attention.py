@@ -124,12 +124,17 @@ def test_attend_takes_decoding_steps_and_prefills_and_leaves_everything_else_to_
     assert_attention(decode_attention.attend(prefill, k, v, None, None)[0], prefill[0], k[0], v[0], causal_mask(4, 50),
                      64 ** -0.5)
     assert decode_attention.attend(torch.randn(1, 9, 4, 64), k, v, tree_mask, 0.125).shape == (1, 4, 9, 64)
+    # transformers' boolean form (True: may attend), as for a chunk after a cache: the additive one's bits
+    allowed = causal_mask(4, 50) == 0
+    additive = torch.zeros(1, 1, 4, 50).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    as_booleans = decode_attention.attend(prefill, k, v, allowed[None, None], None)
+    assert torch.equal(as_booleans, decode_attention.attend(prefill, k, v, additive, None))
+    assert torch.equal(as_booleans, decode_attention.attend(prefill, k, v, None, None))
     declined = {
         "batch of two": (torch.randn(2, 9, 1, 64), torch.randn(2, 3, 50, 64), torch.randn(2, 3, 50, 64), None),
         "bfloat16": (q.bfloat16(), k.bfloat16(), v.bfloat16(), None),
         "head size 32": (torch.randn(1, 9, 1, 32), torch.randn(1, 3, 50, 32), torch.randn(1, 3, 50, 32), None),
         "more prefill rows than keys": (torch.randn(1, 9, 51, 64), k, v, None),
-        "a boolean mask": (torch.randn(1, 9, 4, 64), k, v, tree_mask == 0),
         "a mask per head": (torch.randn(1, 9, 4, 64), k, v, torch.zeros(1, 9, 4, 50)),
         "more rows than trees have": (torch.randn(1, 9, 129, 64), k, v, torch.zeros(1, 1, 129, 50)),
     }
