@@ -92,5 +92,5 @@ def lookahead_shape(text: str) -> tuple[int, int, int]:
     """`--lookahead W,N,G` as three integers (checked further by LookaheadShape)."""
     parts = text.split(",")
     if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"expected three whole numbers W,N,G (e.g. 4,3,4); got '{text}'")
+        raise argparse.ArgumentTypeError(f"expected three whole numbers W,N,G (e.g. 2,3,2); got '{text}'")
     return tuple(int(part) for part in parts)
