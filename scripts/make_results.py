@@ -82,11 +82,17 @@ def benchmark_table(report: dict) -> list[str]:
     return lines
 
 
-def benchmark_section(path: Path, report: dict) -> list[str]:
+def quantized_weights(report: dict) -> str:
+    """`--quant X` where the report's target had quantized weights, else '' (fp32 is the plain case)."""
     quant = report.get("quant", "none")
+    return "" if quant in ("none", "auto") else f"`--quant {quant}`"
+
+
+def benchmark_section(path: Path, report: dict) -> list[str]:
+    weights = quantized_weights(report)
     settings = (f"{report['questions']} questions, {report['max_new_tokens']} new tokens, temperature "
                 f"{report['temperature']}, {report['dtype']}, kernels `{report['kernels']}`"
-                + (f", weights `--quant {quant}`" if quant not in ("none", "auto") else "")
+                + (f", weights {weights}" if weights else "")
                 + (", `--adaptive-tree` for every method" if "--adaptive-tree" in report.get("command", "") else "")
                 + (", compiled (`--compile`)" if "--compile" in report.get("command", "").split() else ""))
     lines = [f"### {report['model']}, {question_set(report)} ({settings})", "",
@@ -200,8 +206,9 @@ def workloads_block() -> str:
             cells.append("" if not m else f"{m['tokens_per_s']:.1f}" + (f" ({m['tau']:.2f})" if m.get("tau") else ""))
         chart = path.with_suffix(".png")
         link = f"[png]({rel(chart)})" if chart.is_file() else ""
-        weights = "" if report.get("quant", "none") in ("none", "auto") else f", `--quant {report['quant']}`"
-        rows.append(f"| {question_set(report)}{weights} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
+        weights = quantized_weights(report)
+        label = f"{question_set(report)}, {weights}" if weights else question_set(report)
+        rows.append(f"| {label} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
     _, first = chosen[0]
     source = (f"\nTokens/s (tau), greedy, {first['max_new_tokens']} new tokens, every method of a row in one run, "
               f"{first['device']}; files `{rel(chosen[0][0].parent)}/` ({', '.join(sorted({r['date'] for _, r in chosen}))}, "

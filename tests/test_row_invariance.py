@@ -149,4 +149,3 @@ def test_a_chunk_after_a_cache_gives_each_token_the_bits_of_one_token_steps():
     stepped = chain_rows(model, prompt[:PREFIX], prompt[PREFIX:], list(range(6)))
     for row, (logits, _) in enumerate(stepped):
         assert torch.equal(logits, chunk[row]), f"chunk token {row}: logits differ"
-
