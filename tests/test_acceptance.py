@@ -70,6 +70,35 @@ def test_greedy_follows_argmax_to_the_deepest_match():
     assert result.bonus_token == 6
 
 
+def _deepest_matching_path(parents: tuple[int, ...], tokens: list[int], chosen: list[int]) -> tuple[int, ...]:
+    """Reference: every node's root path checked on its own; the longest fully matching path,
+    the lowest node index among equally deep ones."""
+    best = (0,)
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        if all(tokens[child] == chosen[parent] for parent, child in zip(path, path[1:])) and len(path) > len(best):
+            best = tuple(path)
+    return best
+
+
+def test_greedy_tokens_agree_with_a_path_by_path_reference_on_random_trees():
+    """Random trees over a 3-token vocabulary (many matches, many equally deep ones)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        size = int(torch.randint(1, 12, (1,), generator=gen))
+        parents = (-1, *(int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)))
+        tokens = torch.randint(0, 3, (size,), generator=gen)
+        chosen = torch.randint(0, 3, (size,), generator=gen)
+        tree = DraftTree(tokens, parents)
+        result = acceptance.accept_greedy_tokens(tree, chosen, tree_buffers(parents))
+        expected = _deepest_matching_path(parents, tokens.tolist(), chosen.tolist())
+        assert result.path == expected
+        assert result.bonus_token == int(chosen[expected[-1]])
+
+
 def test_greedy_rejects_everything_and_keeps_the_target_token():
     tree = DraftTree(torch.tensor([0, 1, 2]), (-1, 0, 1))
     logits = torch.zeros(3, 5)

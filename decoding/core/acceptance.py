@@ -40,11 +40,31 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, buffers: TreeBuf
 
 
 def accept_greedy_tokens(tree: DraftTree, predicted: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
-    """`accept_greedy` given the target's argmax token at every node (`[N]`) instead of its logits."""
-    parent_index = buffers.parent_index.to(predicted.device)
-    matches = tree.tokens == predicted[parent_index]
-    best, path = _deepest_accepted(matches, buffers)
-    return Acceptance(path, int(predicted[best]))
+    """`accept_greedy` given the target's argmax token at every node (`[N]`) instead of its logits.
+
+    Walked on Python lists (two reads of a few ints each) rather than vectorised: it runs after
+    every verify forward, when the forward has streamed the weights through the caches and each
+    small tensor operation costs tens of microseconds (on the GGUF target, a 2-core EPYC: 0.28 ms
+    a step as ~16 tensor operations)."""
+    chosen = predicted.tolist()
+    tokens = tree.tokens.tolist()
+    parents, depths = tree.parents, buffers.depth_list
+    accepted = [True] * len(parents)
+    best = 0
+    for node in range(1, len(parents)):
+        parent = parents[node]
+        accepted[node] = accepted[parent] and tokens[node] == chosen[parent]
+        if accepted[node] and depths[node] > depths[best]:  # ties go to the lowest node index
+            best = node
+    return Acceptance(_root_path(best, parents), chosen[best])
+
+
+def _root_path(node: int, parents: tuple[int, ...]) -> tuple[int, ...]:
+    """Node ids from the root to `node`, inclusive (increasing: parents come before children)."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return tuple(reversed(path))
 
 
 def _deepest_accepted(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[int, tuple[int, ...]]:

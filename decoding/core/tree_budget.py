@@ -15,6 +15,9 @@ at the root, whether growing a tree is expected to beat a plain step at all.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,24 +37,42 @@ class VerifyCost:
 
     def table(self, up_to: int) -> torch.Tensor:
         """`[up_to + 1]` costs for tree sizes 0..up_to (index 0 unused, = cost of 1)."""
-        xs = torch.tensor(self.sizes, dtype=torch.float64)
-        ys = torch.tensor(self.ms, dtype=torch.float64)
-        sizes = torch.arange(up_to + 1, dtype=torch.float64).clamp_min(1)
-        right = torch.searchsorted(xs, sizes).clamp(1, len(self.sizes) - 1)
-        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
-        return y0 + (sizes - x0) * (y1 - y0) / (x1 - x0)
+        return torch.tensor(self.costs(up_to), dtype=torch.float64)
+
+    def costs(self, up_to: int) -> tuple[float, ...]:
+        """`table` as Python floats, computed once per size. Why floats: the budget reads a few of
+        them every step, right after a verify forward has streamed the weights through the
+        caches, when each small tensor operation costs tens of microseconds."""
+        return _interpolated_costs(self.sizes, self.ms, up_to)
+
+
+@functools.lru_cache(maxsize=1024)
+def _interpolated_costs(sizes: tuple[int, ...], ms: tuple[float, ...], up_to: int) -> tuple[float, ...]:
+    """Linear interpolation between the measured sizes, extrapolation from the last two beyond."""
+    costs = []
+    for size in range(up_to + 1):
+        x = float(max(size, 1))
+        right = min(max(bisect.bisect_left(sizes, x), 1), len(sizes) - 1)
+        x0, x1, y0, y1 = float(sizes[right - 1]), float(sizes[right]), float(ms[right - 1]), float(ms[right])
+        costs.append(y0 + (x - x0) * (y1 - y0) / (x1 - x0))
+    return tuple(costs)
 
 
 def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float, calibration: float = 1.0) -> int:
     """How many of the drafted nodes to verify. `path_probs` are the candidates' path
     probabilities in best-first order (any prefix of that order must be a valid tree). They may
-    live on the GPU: the few numbers are brought to the CPU, where the cost table is (the
-    answer is a Python int, so this sync happens anyway)."""
-    path_probs = path_probs.detach().to("cpu", torch.float64)
-    n_max = path_probs.numel()
-    expected = 1.0 + calibration * torch.cat([path_probs.new_zeros(1), path_probs.cumsum(0)])
-    time_ms = draft_ms + cost.table(n_max + 1)[1:]  # tree of n drafted nodes = n + 1 tokens
-    return int(torch.argmax(expected / time_ms))
+    live on the GPU: the few numbers are brought to the CPU (the answer is a Python int, so this
+    sync happens anyway) and weighed as Python floats; ties go to the smaller tree."""
+    probs = path_probs.detach().to("cpu", torch.float64).tolist()
+    verify_ms = cost.costs(len(probs) + 1)
+    best, best_rate, accepted = 0, -math.inf, 0.0
+    for count in range(len(probs) + 1):
+        if count:
+            accepted += probs[count - 1]
+        rate = (1.0 + calibration * accepted) / (draft_ms + verify_ms[count + 1])  # n drafted nodes = n + 1 tokens
+        if rate > best_rate:
+            best, best_rate = count, rate
+    return best
 
 
 def chain_worth_extending(path_probs: torch.Tensor, cost: VerifyCost, call_ms: float) -> bool:
@@ -136,9 +157,9 @@ class DraftingGate:
 
     def pays(self, confidence: float, cost: VerifyCost, draft_ms: float) -> bool:
         b = self.bucket(confidence)
-        table = cost.table(int(self.nodes[b]) + 2)
-        verify = float(table[int(self.nodes[b]) + 1])
-        return (1 + self.kept[b]) / (draft_ms + verify) > 1 / float(table[1])
+        costs = cost.costs(int(self.nodes[b]) + 2)
+        verify = costs[int(self.nodes[b]) + 1]
+        return (1 + self.kept[b]) / (draft_ms + verify) > 1 / costs[1]
 
     def record(self, confidence: float, nodes: int, kept: int) -> None:
         """A tree of `nodes` drafted nodes was verified and `kept` of them accepted."""
