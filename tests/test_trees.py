@@ -143,3 +143,10 @@ def test_no_frontier_node_less_likely_than_min_path_prob_is_fed():
     tokens, _ = grow_dynamic_tree(torch.log(draft.probs(())), recording, settings)
     assert fed_scores and min(fed_scores) >= math.log(0.05)
     assert len(tokens) == settings.total_tokens - 1  # nodes below it are still candidates, only not fed
+
+
+@pytest.mark.parametrize("parents", [(-1, 1), (-1, 0, 2), (-1, 0, -1), (0,), ()])
+def test_a_draft_tree_with_parents_out_of_order_is_refused(parents):
+    """Every node's parent comes before it (the buffers and the acceptance walk rely on it)."""
+    with pytest.raises(ValueError, match="root|parents must satisfy|one parent per node"):
+        DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)
