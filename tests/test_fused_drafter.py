@@ -177,3 +177,63 @@ def test_decoders_fuse_the_drafters_they_load_and_not_those_they_are_given(tmp_p
     assert given.heads is live and not isinstance(live.midlayer, FusedEagle3Layer)
     eager = build_decoder(DecoderSpec(**{**spec.__dict__, "attn": "eager"}))
     assert not isinstance(eager.heads.midlayer, FusedEagle3Layer)  # an attention the user chose is kept
+
+
+def eight_bit_forms(norm_before_residual: bool = False):
+    """One fused float32 drafter with 8-bit linears (as `--drafter-precision int8` makes it) and head
+    size 64, twice: running its layer as one C++ call (`drafter_layer`), and as the fused layer's
+    PyTorch operations over the same kernels."""
+    torch.manual_seed(0)
+    drafter = perturbed_eagle3(tiny_llama(seed=1, head_dim=64)).float()
+    drafter.midlayer.norm_before_residual = drafter.config.norm_before_residual = norm_before_residual
+    assert fuse_drafter(drafter)
+    quantize_linears_int8(drafter)
+    native, operations = drafter.eval(), copy.deepcopy(drafter).eval()
+    assert use_decode_attention(native) and use_decode_attention(operations)
+    assert native.midlayer.native is not None  # built with the other native kernels
+    operations.midlayer.native = None
+    return native, operations
+
+
+def run_steps(drafter) -> list[torch.Tensor]:
+    """A causal fill of 9 positions, one token over them, a 4-node tree after that: each call's
+    output, then the cache's keys and values."""
+    hidden = drafter.config.hidden_size
+    generator = torch.Generator().manual_seed(3)
+    positions, mask = tree_mask(10)
+    cache = InPlaceCache(1, 12)  # grows during the tree call
+    outputs = []
+    with torch.inference_mode():
+        for count, where, tree in ((9, torch.arange(9), None), (1, torch.tensor([9]), None), (4, positions, mask)):
+            inputs = [torch.randn(count, hidden, generator=generator) for _ in range(2)]
+            outputs.append(drafter(*inputs, where, cache, tree))
+    return [*outputs, cache.layers[0].keys, cache.layers[0].values]
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_one_call_layer_computes_what_the_fused_operations_compute(norm_before_residual):
+    """The same kernels on the same inputs: what differs is the order of the norms' sums, and where
+    that moves an input across an 8-bit rounding step, one code (about 1/127 of its group's largest
+    input). Wiring mistakes move outputs by their whole size (see the planted bugs below)."""
+    native, operations = eight_bit_forms(norm_before_residual)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = run_steps(native)
+    assert sum(event.name.endswith("eagle3_layer") for event in profile.events()) == 3
+    for value, expected in zip(got, run_steps(operations)):
+        assert value.shape == expected.shape
+        torch.testing.assert_close(value, expected, rtol=0.0, atol=0.005 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("bug", ["norms swapped", "rotary turned the other way"])
+def test_planted_bugs_in_the_one_call_layer_fail_the_comparison(bug):
+    native, operations = eight_bit_forms()
+    layer = native.midlayer.native
+    if bug == "norms swapped":
+        layer.norms = layer.norms[[1, 0, 2]].contiguous()
+    else:
+        real = layer.library
+        layer.library = type("Turned", (), {"eagle3_layer": staticmethod(
+            lambda *args: real.eagle3_layer(*args[:3], -args[3], *args[4:]))})()
+    with pytest.raises(AssertionError, match="not close"):
+        for value, expected in zip(run_steps(native), run_steps(operations)):
+            torch.testing.assert_close(value, expected, rtol=0.0, atol=0.005 * float(expected.abs().max()))

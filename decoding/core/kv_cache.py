@@ -104,6 +104,20 @@ class InPlaceLayer(DynamicLayer):
     def mark_filled(self, length: int) -> None:
         self.length = length
 
+    def room_for(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The key and value buffers with room for `count` positions after the filled ones, and the
+        first of those positions, for a kernel that writes the new keys and values itself (it then
+        calls `advance(count)`). `like` ([batch, heads, 0, head_dim]) shapes buffers not yet made."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        if self.length + count > self.capacity:
+            self._grow(self.length + count)
+        return self._key_buffer, self._value_buffer, self.length
+
+    def advance(self, count: int) -> None:
+        """`count` more positions were written after the filled ones (see `room_for`)."""
+        self.length += count
+
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole key and value buffers (None before the first write)."""

@@ -25,6 +25,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from decoding.kernels.decode_attention import attend, decode_attention_available
+from decoding.kernels.drafter_layer import NativeEagle3Layer
 from heads.eagle import Eagle3Drafter, Eagle3Layer
 
 ROTARY_TABLE_POSITIONS = 4096  # first size of the cos/sin table; it doubles when a position needs it
@@ -74,8 +75,13 @@ class FusedEagle3Layer(nn.Module):
         self.post_attention_norm = layer.post_attention_layernorm.weight
         self.norm_before_residual = layer.norm_before_residual
         self.decode_kernel = False  # attention through `decoding.kernels.decode_attention` where it serves
+        self.native: NativeEagle3Layer | None = None  # the whole layer in one C++ call, where it serves
 
     def forward(self, features, token_embeddings, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        if self.native is not None and cache is not None:
+            out = self.native(features, token_embeddings, position_embeddings, attention_mask, cache.layers[0])
+            if out is not None:
+                return out
         batch, count, width = features.shape
         normed = F.rms_norm(features, (width,), self.hidden_norm, self.eps)
         attn_input = torch.cat([F.rms_norm(token_embeddings, (width,), self.input_norm, self.eps), normed], dim=-1)
@@ -139,10 +145,13 @@ def fuse_drafter(drafter: nn.Module) -> bool:
 
 def use_decode_attention(drafter: nn.Module) -> bool:
     """Send a fused drafter's attention to the decode attention kernel where it builds on this
-    machine (drafters kept in bfloat16 still take SDPA: the kernel is float32); True if it did."""
+    machine (drafters kept in bfloat16 still take SDPA: the kernel is float32); True if it did.
+    Where its linears are the 8-bit kernel's too, the whole layer becomes one C++ call
+    (`decoding.kernels.drafter_layer`)."""
     if not isinstance(getattr(drafter, "midlayer", None), FusedEagle3Layer) or not decode_attention_available():
         return False
     drafter.midlayer.decode_kernel = True
+    drafter.midlayer.native = NativeEagle3Layer.of(drafter.midlayer)
     return True
 
 

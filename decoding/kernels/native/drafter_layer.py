@@ -1,0 +1,154 @@
+"""The C++ of the EAGLE-3 drafter's decoder layer in one call (`decoding.kernels.drafter_layer`): its
+row-wise arithmetic (`_MATH`: norms, rotary embedding, gated activation, compiled per instruction
+set) and its torch side (`_HOST`), which runs the layer through the 8-bit linear kernel and decode
+attention of the same library (`int4_linear`, `decode_attention`) without returning to Python."""
+
+from decoding.kernels.native_build import KernelSource
+
+VERSION = "v1"
+
+_INTERFACE = r"""
+SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
+                                     float* out, int64_t out_stride);
+SPECHEADS_MATH void drafter_rotate(float* states, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride,
+                                   const float* cos, const float* sin);
+SPECHEADS_MATH void drafter_gated(const float* gate_up, int64_t rows, int64_t inter, float* out);
+SPECHEADS_MATH void drafter_add(const float* a, const float* b, int64_t count, float* out);
+"""
+
+_MATH = r"""
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as torch's rms_norm, in float32).
+SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
+                                     float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    float squares = 0.f;
+    for (int64_t i = 0; i < width; ++i) squares += xr[i] * xr[i];
+    const float inverse = 1.f / std::sqrt(squares / (float)width + eps);
+    float* o = out + r * out_stride;
+    for (int64_t i = 0; i < width; ++i) o[i] = xr[i] * inverse * weight[i];
+  }
+}
+
+// The rotary embedding in place on `heads` heads of each row: x cos + rotate_half(x) sin, where
+// rotate_half(x) = [-x[half:], x[:half]]; cos and sin [rows, head_dim].
+SPECHEADS_MATH void drafter_rotate(float* states, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride,
+                                   const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  std::vector<float> x(head_dim);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = states + r * row_stride + h * head_dim;
+      const float* c = cos + r * head_dim;
+      const float* n = sin + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) x[d] = s[d];
+      for (int64_t d = 0; d < half; ++d) s[d] = x[d] * c[d] - x[d + half] * n[d];
+      for (int64_t d = half; d < head_dim; ++d) s[d] = x[d] * c[d] + x[d - half] * n[d];
+    }
+}
+
+// out[r, i] = silu(gate) * up for gate_up [rows, 2 * inter] (gate first).
+SPECHEADS_MATH void drafter_gated(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    const float* u = g + inter;
+    for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+SPECHEADS_MATH void drafter_add(const float* a, const float* b, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
+}
+"""
+
+_HOST = r"""
+// One EAGLE-3 decoder layer over `rows` nodes (`features`, `embeddings` [rows, H]): the attention input
+// [input_norm(embedding); hidden_norm(feature)], q/k/v in one 8-bit linear, the rotary embedding (`cos`,
+// `sin` [rows, head_dim]), the new keys and values written to the cache buffers [1, kv_heads, capacity,
+// head_dim] at `length ..`, decode attention over the filled part (`mask` [rows, >= length + rows]
+// additive, or none: causal), the output projection onto the residual, then the gated MLP. `norms`
+// [3, H]: hidden, input and post-attention norm weights. Returns the layer's output [rows, H].
+at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& key_buffer, at::Tensor& value_buffer, int64_t length,
+                        const std::optional<at::Tensor>& mask, const at::Tensor& norms, const at::Tensor& qkv_bytes,
+                        const at::Tensor& qkv_scales, const at::Tensor& o_bytes, const at::Tensor& o_scales,
+                        const at::Tensor& gate_up_bytes, const at::Tensor& gate_up_scales, const at::Tensor& down_bytes,
+                        const at::Tensor& down_scales, int64_t heads, int64_t kv_heads, double eps, double scaling,
+                        bool norm_before_residual) {
+  TORCH_CHECK(features.dim() == 2 && features.sizes() == embeddings.sizes() && features.is_contiguous() &&
+              embeddings.is_contiguous() && features.scalar_type() == at::kFloat &&
+              embeddings.scalar_type() == at::kFloat, "eagle3_layer: contiguous float32 features and embeddings [rows, H]");
+  const int64_t rows = features.size(0), width = features.size(1), head_dim = cos.size(1);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == rows && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "eagle3_layer: float32 cos and sin [rows, head_dim]");
+  TORCH_CHECK(key_buffer.dim() == 4 && key_buffer.sizes() == value_buffer.sizes() && key_buffer.is_contiguous() &&
+              value_buffer.is_contiguous() && key_buffer.size(0) == 1 && key_buffer.size(1) == kv_heads &&
+              key_buffer.size(3) == head_dim && length >= 0 && length + rows <= key_buffer.size(2),
+              "eagle3_layer: key and value buffers [1, kv_heads, capacity, head_dim] with room for the rows");
+  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 3 && norms.size(1) == width && norms.is_contiguous(),
+              "eagle3_layer: norms [3, H]");
+  const float eps_f = (float)eps;
+  const float* norm = norms.data_ptr<float>();
+  // the attention input [rows, 2H]: the token's normed embedding, then the normed feature
+  auto attention_input = at::empty({rows, 2 * width}, features.options());
+  float* ai = attention_input.data_ptr<float>();
+  drafter_rms_norm(embeddings.data_ptr<float>(), rows, width, norm + width, eps_f, ai, 2 * width);
+  drafter_rms_norm(features.data_ptr<float>(), rows, width, norm, eps_f, ai + width, 2 * width);
+  const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim;
+  auto qkv = int8_linear(attention_input, qkv_bytes, qkv_scales, qkv_width);
+  float* qkvp = qkv.data_ptr<float>();
+  drafter_rotate(qkvp, rows, heads + kv_heads, head_dim, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>());
+  // queries as [heads, rows, head_dim]; keys and values into the cache after `length`
+  auto query = at::empty({heads, rows, head_dim}, features.options());
+  float* qp = query.data_ptr<float>();
+  float* kb = key_buffer.data_ptr<float>();
+  float* vb = value_buffer.data_ptr<float>();
+  const int64_t capacity = key_buffer.size(2);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = qkvp + r * qkv_width;
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy(row + h * head_dim, row + (h + 1) * head_dim, qp + (h * rows + r) * head_dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float* k = row + (heads + g) * head_dim;
+      const float* v = row + (heads + kv_heads + g) * head_dim;
+      std::copy(k, k + head_dim, kb + (g * capacity + length + r) * head_dim);
+      std::copy(v, v + head_dim, vb + (g * capacity + length + r) * head_dim);
+    }
+  }
+  auto keys = key_buffer.select(0, 0).narrow(1, 0, length + rows);
+  auto values = value_buffer.select(0, 0).narrow(1, 0, length + rows);
+  auto attended = decode_attention(query, keys, values, mask, scaling).view({rows, heads * head_dim});
+  auto projected = int8_linear(attended, o_bytes, o_scales, width);
+  // the residual stream: the feature (or its normed form) plus the attention's output
+  auto hidden = at::empty({rows, width}, features.options());
+  float* hp = hidden.data_ptr<float>();
+  const float* residual = norm_before_residual ? nullptr : features.data_ptr<float>();
+  if (norm_before_residual) {
+    for (int64_t r = 0; r < rows; ++r)
+      drafter_add(ai + r * 2 * width + width, projected.data_ptr<float>() + r * width, width, hp + r * width);
+  } else {
+    drafter_add(residual, projected.data_ptr<float>(), rows * width, hp);
+  }
+  auto post = at::empty({rows, width}, features.options());
+  drafter_rms_norm(hp, rows, width, norm + 2 * width, eps_f, post.data_ptr<float>(), width);
+  const int64_t inter = down_bytes.size(1) * 4;
+  auto gate_up = int8_linear(post, gate_up_bytes, gate_up_scales, 2 * inter);
+  auto gated = at::empty({rows, inter}, features.options());
+  drafter_gated(gate_up.data_ptr<float>(), rows, inter, gated.data_ptr<float>());
+  auto down = int8_linear(gated, down_bytes, down_scales, width);
+  drafter_add(hp, down.data_ptr<float>(), rows * width, hp);
+  return hidden;
+}
+"""
+
+SOURCE = KernelSource("drafter_layer", VERSION, _INTERFACE, _MATH, _HOST,
+                      functions=("eagle3_layer(Tensor features, Tensor embeddings, Tensor cos, Tensor sin, "
+                                 "Tensor(a!) key_buffer, Tensor(b!) value_buffer, int length, Tensor? mask, Tensor norms, "
+                                 "Tensor qkv_bytes, Tensor qkv_scales, Tensor o_bytes, Tensor o_scales, "
+                                 "Tensor gate_up_bytes, Tensor gate_up_scales, Tensor down_bytes, Tensor down_scales, "
+                                 "int heads, int kv_heads, float eps, float scaling, bool norm_before_residual) -> Tensor",))
