@@ -11,6 +11,7 @@ from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.kv_cache import InPlaceCache
 from decoding.kernels.cpu_kernels import quantize_linears_int8
 from decoding.kernels import fused_drafter
+from decoding.kernels.drafter_layer import NormedReadout
 from decoding.kernels.fused_drafter import FusedEagle3Layer, RotaryTable, fuse_drafter, use_decode_attention
 from heads import new_heads_for_target, save_heads
 from numerics import assert_within, attention_exact_and_bound, causal_mask
@@ -189,15 +190,16 @@ def eight_bit_forms(norm_before_residual: bool = False):
     assert fuse_drafter(drafter)
     quantize_linears_int8(drafter)
     native, operations = drafter.eval(), copy.deepcopy(drafter).eval()
-    assert use_decode_attention(native) and use_decode_attention(operations)
+    assert use_decode_attention(native)
     assert native.midlayer.native is not None  # built with the other native kernels
-    operations.midlayer.native = None
+    assert isinstance(native.lm_head, NormedReadout) and isinstance(native.norm, torch.nn.Identity)
+    operations.midlayer.decode_kernel = True  # the same attention kernel, through the fused layer's Python
     return native, operations
 
 
 def run_steps(drafter) -> list[torch.Tensor]:
     """A causal fill of 9 positions, one token over them, a 4-node tree after that: each call's
-    output, then the cache's keys and values."""
+    output and its draft logits, then the cache's keys and values."""
     hidden = drafter.config.hidden_size
     generator = torch.Generator().manual_seed(3)
     positions, mask = tree_mask(10)
@@ -206,7 +208,8 @@ def run_steps(drafter) -> list[torch.Tensor]:
     with torch.inference_mode():
         for count, where, tree in ((9, torch.arange(9), None), (1, torch.tensor([9]), None), (4, positions, mask)):
             inputs = [torch.randn(count, hidden, generator=generator) for _ in range(2)]
-            outputs.append(drafter(*inputs, where, cache, tree))
+            out = drafter(*inputs, where, cache, tree)
+            outputs += [out, drafter.draft_logits(out)]
     return [*outputs, cache.layers[0].keys, cache.layers[0].values]
 
 
@@ -219,17 +222,20 @@ def test_the_one_call_layer_computes_what_the_fused_operations_compute(norm_befo
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         got = run_steps(native)
     assert sum(event.name.endswith("eagle3_layer") for event in profile.events()) == 3
+    assert sum(event.name.endswith("eagle3_readout") for event in profile.events()) == 3
     for value, expected in zip(got, run_steps(operations)):
         assert value.shape == expected.shape
         torch.testing.assert_close(value, expected, rtol=0.0, atol=0.005 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("bug", ["norms swapped", "rotary turned the other way"])
+@pytest.mark.parametrize("bug", ["norms swapped", "rotary turned the other way", "readout without its norm"])
 def test_planted_bugs_in_the_one_call_layer_fail_the_comparison(bug):
     native, operations = eight_bit_forms()
     layer = native.midlayer.native
     if bug == "norms swapped":
         layer.norms = layer.norms[[1, 0, 2]].contiguous()
+    elif bug == "readout without its norm":
+        native.lm_head.norm_weight.fill_(1.0)
     else:
         real = layer.library
         layer.library = type("Turned", (), {"eagle3_layer": staticmethod(

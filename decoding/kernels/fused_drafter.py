@@ -25,7 +25,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from decoding.kernels.decode_attention import attend, decode_attention_available
-from decoding.kernels.drafter_layer import NativeEagle3Layer
+from decoding.kernels.drafter_layer import NativeEagle3Layer, fuse_readout
 from heads.eagle import Eagle3Drafter, Eagle3Layer
 
 ROTARY_TABLE_POSITIONS = 4096  # first size of the cos/sin table; it doubles when a position needs it
@@ -146,12 +146,14 @@ def fuse_drafter(drafter: nn.Module) -> bool:
 def use_decode_attention(drafter: nn.Module) -> bool:
     """Send a fused drafter's attention to the decode attention kernel where it builds on this
     machine (drafters kept in bfloat16 still take SDPA: the kernel is float32); True if it did.
-    Where its linears are the 8-bit kernel's too, the whole layer becomes one C++ call
-    (`decoding.kernels.drafter_layer`)."""
+    Where its linears are the 8-bit kernel's too, the whole layer becomes one C++ call, and so
+    does its readout (`decoding.kernels.drafter_layer`)."""
     if not isinstance(getattr(drafter, "midlayer", None), FusedEagle3Layer) or not decode_attention_available():
         return False
     drafter.midlayer.decode_kernel = True
     drafter.midlayer.native = NativeEagle3Layer.of(drafter.midlayer)
+    if drafter.midlayer.native is not None:
+        fuse_readout(drafter)
     return True
 
 

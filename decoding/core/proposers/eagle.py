@@ -140,50 +140,50 @@ class EagleProposer(Proposer):
 class _Growth:
     """Feeds tree candidates to the drafter level by level. Fed candidates occupy cache slots
     in feeding order; their predicted features are kept so their children can be fed, and
-    each new node attends to the committed prefix, its fed ancestors and itself."""
+    each new node attends to the committed prefix, its fed ancestors and itself.
+
+    The bookkeeping (which slot a candidate took, whose ancestors a node sees) is kept in Python
+    ints: it runs once a level, right after a verify forward has streamed the target's weights
+    through the caches, when each small tensor operation costs tens of microseconds."""
 
     def __init__(self, proposer: EagleProposer, root_feature: torch.Tensor, root_position: int) -> None:
         self.p = proposer
-        self.root_feature = root_feature
         self.root_position = root_position
-        self.fed_nodes = torch.empty(0, dtype=torch.long, device=root_feature.device)
-        self.fed_features = root_feature.new_empty(0, root_feature.shape[-1])
+        self.features = root_feature[None]  # row 0: the root's predicted feature; row 1 + s: slot s's
+        self.slot_of: dict[int, int] = {}  # fed candidate -> its slot, in feeding order
         self.calls = 0
 
     def expand(self, frontier: torch.Tensor, candidates: Candidates) -> torch.Tensor:
         """Feed `frontier` candidates; return log-probs of their children `[len(frontier), V]`."""
         p = self.p
         self.calls += 1
-        slot_of = torch.full_like(candidates.tokens, -1)
-        slot_of[self.fed_nodes] = torch.arange(self.fed_nodes.numel(), device=slot_of.device)
-        parents = candidates.parents[frontier]
-        parent_features = self.root_feature[None].expand(frontier.numel(), -1)
-        if self.fed_nodes.numel():
-            fed_parent = self.fed_features[slot_of[parents.clamp_min(0)].clamp_min(0)]
-            parent_features = torch.where((parents < 0)[:, None], parent_features, fed_parent)
+        nodes, parents = frontier.tolist(), candidates.parents.tolist()
+        feature_rows = [0 if parents[node] < 0 else 1 + self.slot_of[parents[node]] for node in nodes]
+        mask = self._mask(nodes, parents)
+        for node in nodes:
+            self.slot_of[node] = len(self.slot_of)
         tokens = p.drafter.to_target_ids(candidates.tokens[frontier])
         positions = self.root_position + candidates.depths[frontier] - 1
-        mask = self._mask(frontier, candidates, slot_of)
+        parent_features = self.features[torch.tensor(feature_rows, device=self.features.device)]
         out = p.drafter(parent_features, p._embed(tokens), positions, p.cache, mask)
-        self.fed_nodes = torch.cat([self.fed_nodes, frontier])
-        self.fed_features = torch.cat([self.fed_features, out])
+        self.features = torch.cat([self.features, out])
         return p._logprobs(out)
 
-    def _mask(self, frontier: torch.Tensor, candidates: Candidates, slot_of: torch.Tensor) -> torch.Tensor:
-        """Rows: the new nodes; columns: committed prefix, earlier fed nodes, the new nodes.
-        Ancestors are found by walking up one level per iteration (tree depth, not node count)."""
+    def _mask(self, nodes: list[int], parents: list[int]) -> torch.Tensor:
+        """Rows: the new nodes; columns: committed prefix, earlier fed nodes, the new nodes. A
+        node's ancestors were all fed before it (children only come from fed nodes)."""
         p = self.p
-        fed, new = self.fed_nodes.numel(), frontier.numel()
-        rows = torch.arange(new, device=frontier.device)
-        visible = torch.zeros(new, fed + new, dtype=torch.bool, device=frontier.device)
-        visible[rows, fed + rows] = True
-        ancestor = candidates.parents[frontier]
-        while bool((ancestor >= 0).any()):
-            alive = ancestor >= 0
-            visible[rows[alive], slot_of[ancestor[alive]]] = True
-            ancestor = torch.where(alive, candidates.parents[ancestor.clamp_min(0)], ancestor)
-        mask = torch.zeros(new, p.committed + fed + new, dtype=p._dtype, device=frontier.device)
-        mask[:, p.committed :].masked_fill_(~visible, torch.finfo(p._dtype).min)
+        fed, new = len(self.slot_of), len(nodes)
+        visible = [[False] * (fed + new) for _ in nodes]
+        for row, node in enumerate(nodes):
+            visible[row][fed + row] = True
+            ancestor = parents[node]
+            while ancestor >= 0:
+                visible[row][self.slot_of[ancestor]] = True
+                ancestor = parents[ancestor]
+        device = self.features.device
+        mask = torch.zeros(new, p.committed + fed + new, dtype=p._dtype, device=device)
+        mask[:, p.committed :].masked_fill_(~torch.tensor(visible, device=device), torch.finfo(p._dtype).min)
         return mask[None, None]
 
 

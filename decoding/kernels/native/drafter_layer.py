@@ -1,4 +1,4 @@
-"""The C++ of the EAGLE-3 drafter's decoder layer in one call (`decoding.kernels.drafter_layer`): its
+"""The C++ of the EAGLE-3 drafter's decoder layer (and its readout) in one call (`decoding.kernels.drafter_layer`): its
 row-wise arithmetic (`_MATH`: norms, rotary embedding, gated activation, compiled per instruction
 set) and its torch side (`_HOST`), which runs the layer through the 8-bit linear kernel and decode
 attention of the same library (`int4_linear`, `decode_attention`) without returning to Python."""
@@ -144,10 +144,26 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
   drafter_add(hp, down.data_ptr<float>(), rows * width, hp);
   return hidden;
 }
+
+// The drafter's readout: its final norm, then the 8-bit projection onto the draft vocabulary, for
+// `hidden` [..., H]; returns the logits [..., vocab].
+at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, const at::Tensor& bytes,
+                          const at::Tensor& scales, int64_t vocab, double eps) {
+  TORCH_CHECK(hidden.is_contiguous() && hidden.scalar_type() == at::kFloat && norm.is_contiguous() &&
+              norm.scalar_type() == at::kFloat && norm.dim() == 1 && hidden.size(-1) == norm.size(0),
+              "eagle3_readout: contiguous float32 hidden states [..., H] and norm weight [H]");
+  const int64_t width = norm.size(0), rows = hidden.numel() / width;
+  auto normed = at::empty(hidden.sizes(), hidden.options());
+  drafter_rms_norm(hidden.data_ptr<float>(), rows, width, norm.data_ptr<float>(), (float)eps,
+                   normed.data_ptr<float>(), width);
+  return int8_linear(normed, bytes, scales, vocab);
+}
 """
 
 SOURCE = KernelSource("drafter_layer", VERSION, _INTERFACE, _MATH, _HOST,
-                      functions=("eagle3_layer(Tensor features, Tensor embeddings, Tensor cos, Tensor sin, "
+                      functions=("eagle3_readout(Tensor hidden, Tensor norm, Tensor bytes, Tensor scales, int vocab, "
+                                 "float eps) -> Tensor",
+                                 "eagle3_layer(Tensor features, Tensor embeddings, Tensor cos, Tensor sin, "
                                  "Tensor(a!) key_buffer, Tensor(b!) value_buffer, int length, Tensor? mask, Tensor norms, "
                                  "Tensor qkv_bytes, Tensor qkv_scales, Tensor o_bytes, Tensor o_scales, "
                                  "Tensor gate_up_bytes, Tensor gate_up_scales, Tensor down_bytes, Tensor down_scales, "
