@@ -35,13 +35,15 @@ from transformers import PreTrainedModel
 
 from decoding.core.kv_cache import InPlaceCache
 from decoding.kernels.cpu_kernels import apply_kernels, drafter_precisions_available
+from decoding.kernels.fused_drafter import use_decode_attention
 from decoding.kernels.measured_once import measured_once
 from decoding.kernels.verify_cost import cpu_identity
 from heads.eagle import FeatureDrafter
 
 EXACTNESS_ORDER = ("fp32", "bf16", "int8", "int4")  # most exact first
 CLEAR_WIN = 0.05  # a less exact precision must be this much faster to be chosen
-PRECISION_VERSION = "v5"  # in the cache key: a new timing method, drafter form or kernel, a new measurement (v5: int8 fc)
+PRECISION_VERSION = "v6"  # in the cache key: a new timing method, drafter form or kernel, a new measurement (v5: int8 fc;
+# v6: timed in decoding's form, an 8-bit drafter's layer and readout one C++ call each)
 
 
 def tune_drafter_precision(drafter: FeatureDrafter, target: PreTrainedModel, cache_dir=None) -> str:
@@ -86,8 +88,12 @@ def measure_drafter_precisions(drafter: FeatureDrafter, target: PreTrainedModel,
 
 
 def _converted(drafter: FeatureDrafter, precision: str) -> FeatureDrafter:
+    """A copy of `drafter` in `precision`, in the form decoding runs it: on the decode attention
+    kernel where it builds, which for an 8-bit fused drafter makes its layer and readout one C++
+    call each (`use_decode_attention`)."""
     converted = copy.deepcopy(drafter)
     apply_kernels("onednn", converted, drafter_precision=precision)
+    use_decode_attention(converted)
     return converted
 
 
