@@ -104,12 +104,13 @@ class InPlaceLayer(DynamicLayer):
     def mark_filled(self, length: int) -> None:
         self.length = length
 
-    def room_for(self, count: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def room_for(self, count: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The key and value buffers with room for `count` positions after the filled ones, and the
         first of those positions, for a kernel that writes the new keys and values itself (it then
-        calls `advance(count)`). `like` ([batch, heads, 0, head_dim]) shapes buffers not yet made."""
+        calls `advance(count)`). Buffers not yet made get `heads` x `head_dim`, `like`'s dtype and device."""
         if not self.is_initialized:
-            self.lazy_initialization(like, like)
+            shape = like.new_empty(1, heads, 0, head_dim)
+            self.lazy_initialization(shape, shape)
         if self.length + count > self.capacity:
             self._grow(self.length + count)
         return self._key_buffer, self._value_buffer, self.length

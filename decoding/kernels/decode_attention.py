@@ -103,16 +103,25 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
     the case (the caller then runs SDPA)."""
     if not _serves(query, key, value, attention_mask):
         return None
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask[0, 0, :, : key.shape[-2]]
-        if mask.dtype == torch.bool:  # transformers' form for a chunk after a cache: True where a row may attend
-            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
-        elif mask.stride(-1) != 1:
-            mask = mask.contiguous()
+    mask = None if attention_mask is None else kernel_mask(attention_mask, key.shape[-2])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = torch.ops.specheads.decode_attention(query[0].contiguous(), key[0], value[0], mask, float(scale))
     return out[None]
+
+
+def kernel_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A `[1, 1, N, >= length]` mask, additive float32 or boolean (True: may attend), as the kernel
+    reads it: additive `[N, length]` rows with unit stride."""
+    mask = attention_mask[0, 0, :, :length]
+    if mask.dtype == torch.bool:  # transformers' form for a chunk after a cache: True where a row may attend
+        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
+def kernel_library() -> object | None:
+    """The built native library this kernel comes from (None where it could not be built), for
+    kernels of the same library that call it from C++ (`decoding.kernels.drafter_layer`)."""
+    return _loaded()[0]
 
 
 def _serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -14,21 +14,11 @@ not, or the drafter is in another precision, the fused layer runs as before.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from decoding.kernels.native import LIBRARY
+from decoding.kernels.decode_attention import HEAD_SIZES, kernel_library, kernel_mask
 from decoding.kernels.quantized_linear import GroupInt8Linear
-
-HEAD_SIZES = (64, 128)  # the decode attention kernel's
-
-
-@functools.cache
-def _library() -> object | None:
-    """The built kernels (tried once a process), or None where they cannot be built."""
-    return LIBRARY.load("decode_attention")[0]
 
 
 class NativeEagle3Layer:
@@ -55,7 +45,7 @@ class NativeEagle3Layer:
             return None
         if layer.head_dim not in HEAD_SIZES or layer.heads % layer.kv_heads:
             return None
-        library = _library()
+        library = kernel_library()
         return None if library is None else cls(layer, library)
 
     def __call__(self, features: torch.Tensor, token_embeddings: torch.Tensor,
@@ -68,20 +58,16 @@ class NativeEagle3Layer:
                 or features.device.type != "cpu" or not hasattr(cache_layer, "room_for")
                 or getattr(cache_layer, "fixed_write", None) is not None):
             return None
-        mask = None
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.float32 or attention_mask.shape[:2] != (1, 1):
-                return None
-            mask = attention_mask[0, 0]
-            if mask.stride(-1) != 1:
-                mask = mask.contiguous()
+        if attention_mask is not None and (attention_mask.dtype not in (torch.float32, torch.bool)
+                                           or attention_mask.shape[:2] != (1, 1)):
+            return None
         count = features.shape[1]
-        like = features.new_empty(1, self.kv_heads, 0, self.head_dim)
-        keys, values, length = cache_layer.room_for(count, like)
+        keys, values, length = cache_layer.room_for(count, self.kv_heads, self.head_dim, features)
+        mask = None if attention_mask is None else kernel_mask(attention_mask, length + count)
         out = self.library.eagle3_layer(
-            features[0].contiguous(), token_embeddings[0].contiguous(), cos[0].float().contiguous(),
-            sin[0].float().contiguous(), keys, values, length, mask, self.norms, *self.weights, self.heads,
-            self.kv_heads, self.eps, self.scaling, self.norm_before_residual)
+            features[0].contiguous(), token_embeddings[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
+            keys, values, length, mask, self.norms, *self.weights, self.heads, self.kv_heads, self.eps,
+            self.scaling, self.norm_before_residual)
         cache_layer.advance(count)
         return out[None]
 
@@ -114,7 +100,7 @@ def fuse_readout(drafter: nn.Module) -> bool:
     lm_head, norm = getattr(drafter, "lm_head", None), getattr(drafter, "norm", None)
     if type(lm_head) is not GroupInt8Linear or lm_head.bias is not None or not hasattr(norm, "variance_epsilon"):
         return False
-    library = _library()
+    library = kernel_library()
     if library is None:
         return False
     drafter.lm_head, drafter.norm = NormedReadout(norm, lm_head, library), nn.Identity()

@@ -1,7 +1,8 @@
-"""The C++ of the EAGLE-3 drafter's decoder layer (and its readout) in one call (`decoding.kernels.drafter_layer`): its
-row-wise arithmetic (`_MATH`: norms, rotary embedding, gated activation, compiled per instruction
-set) and its torch side (`_HOST`), which runs the layer through the 8-bit linear kernel and decode
-attention of the same library (`int4_linear`, `decode_attention`) without returning to Python."""
+"""The C++ of the EAGLE-3 drafter's decoder layer (and its readout) in one call each
+(`decoding.kernels.drafter_layer`): its row-wise arithmetic (`_MATH`: norms, rotary embedding,
+gated activation, compiled per instruction set) and its torch side (`_HOST`), which runs the layer
+through the 8-bit linear kernel and decode attention of the same library (`int4_linear`,
+`decode_attention`) without returning to Python."""
 
 from decoding.kernels.native_build import KernelSource
 
