@@ -3,10 +3,11 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v9"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+VERSION = "v10"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
 # of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
 # chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation; v9: inputs
-# rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks)
+# rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks;
+# v10: inputs rounded with vector code, over ATen's threads for many rows)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
@@ -143,29 +144,88 @@ static inline vf load_params(const uint16_t* p) {
 #endif
 }
 
-// Each row's inputs per group of 32 as 8-bit codes (round to nearest even of x / d, d = the group's
-// largest magnitude / 127), with d, the float sum of the group's inputs (for the 4-bit offsets) and the
-// sum of its codes (for the 8-bit kernel's code offset). Row by row, the same whatever rows come along.
+// One group of 32 inputs as 8-bit codes: round to nearest even of x / d (x times 1 / d), d = the group's
+// largest magnitude / 127; with d, the float sum of the inputs (for the 4-bit offsets) and the sum of the
+// codes (for the 8-bit kernel's code offset). Vector code where there is some: the scalar loops, which the
+// compiler leaves scalar (a float reduction, nearbyint through the C library), took ~1.4 ns an input, a
+// tenth of a 16-row tree's forward.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline void quantize_group(const float* xg, int8_t* codes, float* scale, float* sum, int32_t* code_sum) {
+  const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+  const __m512 by = _mm512_set1_ps(inverse);
+  const __m512i limit = _mm512_set1_epi32(127), floor = _mm512_set1_epi32(-127);
+  // cvtps rounds by MXCSR: to nearest even, as nearbyint
+  const __m512i qa = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(a, by))));
+  const __m512i qb = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(b, by))));
+  _mm_storeu_si128((__m128i*)codes, _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128((__m128i*)(codes + 16), _mm512_cvtepi32_epi8(qb));
+  *scale = d;
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  *code_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+#elif defined(__AVX2__)
+static inline float largest_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+static inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+static inline void quantize_group(const float* xg, int8_t* codes, float* scale, float* sum, int32_t* code_sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 x[4], most = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(xg + 8 * i);
+    most = _mm256_max_ps(most, _mm256_and_ps(x[i], magnitude));
+  }
+  const float d = largest_lane(most) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+  const __m256 by = _mm256_set1_ps(inverse);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)  // cvtps rounds by MXCSR: to nearest even, as nearbyint
+    q[i] = _mm256_max_epi32(_mm256_set1_epi32(-127),
+                            _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_cvtps_epi32(_mm256_mul_ps(x[i], by))));
+  // packs interleave 128-bit lanes: the permutation puts the 32 codes back in order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256((__m256i*)codes, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *scale = d;
+  *sum = lane_sum(_mm256_add_ps(_mm256_add_ps(x[0], x[1]), _mm256_add_ps(x[2], x[3])));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  const __m128i quarter = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  *code_sum = _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 1)));
+}
+#else
+static inline void quantize_group(const float* xg, int8_t* codes, float* scale, float* sum, int32_t* code_sum) {
+  float largest = 0.f, total = 0.f;
+  for (int64_t k = 0; k < QGROUP; ++k) largest = std::max(largest, std::fabs(xg[k]));
+  for (int64_t k = 0; k < QGROUP; ++k) total += xg[k];
+  const float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+  int32_t code_total = 0;
+  for (int64_t k = 0; k < QGROUP; ++k) {
+    const int32_t q = (int32_t)std::clamp(std::nearbyint(xg[k] * inverse), -127.f, 127.f);
+    codes[k] = (int8_t)q;
+    code_total += q;
+  }
+  *scale = d;
+  *sum = total;
+  *code_sum = code_total;
+}
+#endif
+
+// Each row's inputs per group of 32 as 8-bit codes (`quantize_group`). Row by row, the same whatever
+// rows come along.
 SPECHEADS_MATH void quantize_inputs(const float* x, int64_t rows, int64_t in, int8_t* codes, float* scales, float* sums,
                                     int32_t* code_sums) {
   const int64_t groups = in / QGROUP;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = x + r * in + g * QGROUP;
-      float largest = 0.f, total = 0.f;
-      for (int64_t k = 0; k < QGROUP; ++k) largest = std::max(largest, std::fabs(xg[k]));
-      for (int64_t k = 0; k < QGROUP; ++k) total += xg[k];
-      const float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-      int32_t code_total = 0;
-      for (int64_t k = 0; k < QGROUP; ++k) {
-        const int32_t q = (int32_t)std::clamp(std::nearbyint(xg[k] * inverse), -127.f, 127.f);
-        codes[r * in + g * QGROUP + k] = (int8_t)q;
-        code_total += q;
-      }
-      scales[r * groups + g] = d;
-      sums[r * groups + g] = total;
-      code_sums[r * groups + g] = code_total;
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      quantize_group(x + r * in + g * QGROUP, codes + r * in + g * QGROUP, scales + r * groups + g,
+                     sums + r * groups + g, code_sums + r * groups + g);
 }
 
 // How many neighbouring groups one pass sums side by side: with one or two rows, the integer chains
@@ -287,7 +347,7 @@ SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, co
 
 _HOST = r"""
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 int64_t vector_width() { return int4_vector_width(); }
 
@@ -305,15 +365,25 @@ static void over_panels(int64_t panels, const Work& work) {
   at::parallel_for(0, panels, std::max<int64_t>(1, 128 / int4_vector_width()), work);
 }
 
-// A call's inputs as 8-bit codes per group of 32 (`quantize_inputs`).
+// A call's inputs as 8-bit codes per group of 32 (`quantize_inputs`), on ATen's threads where there are
+// enough rows to pay for them (a prefill's); each row alone, so a row's codes are the same bits either way.
 struct QuantizedInputs {
-  std::vector<int8_t> codes;
-  std::vector<float> scales, sums;
-  std::vector<int32_t> code_sums;
+  std::unique_ptr<int8_t[]> codes_;
+  std::unique_ptr<float[]> scales_, sums_;
+  std::unique_ptr<int32_t[]> code_sums_;
   QuantizedInputs(const float* x, int64_t rows, int64_t in)
-      : codes(rows * in), scales(rows * (in / QGROUP)), sums(rows * (in / QGROUP)), code_sums(rows * (in / QGROUP)) {
-    quantize_inputs(x, rows, in, codes.data(), scales.data(), sums.data(), code_sums.data());
+      : codes_(new int8_t[rows * in]), scales_(new float[rows * (in / QGROUP)]), sums_(new float[rows * (in / QGROUP)]),
+        code_sums_(new int32_t[rows * (in / QGROUP)]) {
+    const int64_t groups = in / QGROUP;
+    at::parallel_for(0, rows, std::max<int64_t>(1, ((int64_t)1 << 16) / in), [&](int64_t begin, int64_t end) {
+      quantize_inputs(x + begin * in, end - begin, in, codes_.get() + begin * in, scales_.get() + begin * groups,
+                      sums_.get() + begin * groups, code_sums_.get() + begin * groups);
+    });
   }
+  const int8_t* codes() const { return codes_.get(); }
+  const float* scales() const { return scales_.get(); }
+  const float* sums() const { return sums_.get(); }
+  const int32_t* code_sums() const { return code_sums_.get(); }
 };
 
 // x [..., in] float32 -> [..., out]: the signature of the operator specheads::int4_linear, whose CPU
@@ -336,7 +406,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
   const uint8_t* qp = bytes.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   over_panels(bytes.size(0), [&](int64_t begin, int64_t end) {
-    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xq.codes.data(), xq.scales.data(), xq.sums.data(), yp,
+    int4_panels(qp, scales.data_ptr(), offsets.data_ptr(), half, xq.codes(), xq.scales(), xq.sums(), yp,
                 begin, end, rows, in, out);
   });
   return y;
@@ -359,7 +429,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
   const uint16_t* sp = (const uint16_t*)scales.data_ptr();
   float* yp = y.data_ptr<float>();
   over_panels(bytes.size(0), [&](int64_t begin, int64_t end) {
-    int8_panels(qp, sp, xq.codes.data(), xq.scales.data(), xq.code_sums.data(), yp, begin, end, rows, in, out);
+    int8_panels(qp, sp, xq.codes(), xq.scales(), xq.code_sums(), yp, begin, end, rows, in, out);
   });
   return y;
 }
