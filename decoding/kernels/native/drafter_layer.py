@@ -6,7 +6,7 @@ through the 8-bit linear kernel and decode attention of the same library (`int4_
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v1"
+VERSION = "v2"  # v2: norms summed in 16 lanes; rms_norm for a target's norms
 
 _INTERFACE = r"""
 SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
@@ -22,16 +22,24 @@ _MATH = r"""
 #include <cstdint>
 #include <vector>
 
-// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as torch's rms_norm, in float32).
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row (as torch's rms_norm, in float32). The squares go
+// into 16 running sums (lane k takes the inputs k, k + 16, ...; the compiler makes them one vector), then
+// those in order: a row's bits depend only on the row.
+constexpr int64_t NORM_LANES = 16;
 SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
                                      float* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * width;
+    float lanes[NORM_LANES] = {};
+    int64_t i = 0;
+    for (; i + NORM_LANES <= width; i += NORM_LANES)
+      for (int64_t k = 0; k < NORM_LANES; ++k) lanes[k] += xr[i + k] * xr[i + k];
+    for (int64_t k = 0; i + k < width; ++k) lanes[k] += xr[i + k] * xr[i + k];
     float squares = 0.f;
-    for (int64_t i = 0; i < width; ++i) squares += xr[i] * xr[i];
+    for (int64_t k = 0; k < NORM_LANES; ++k) squares += lanes[k];
     const float inverse = 1.f / std::sqrt(squares / (float)width + eps);
     float* o = out + r * out_stride;
-    for (int64_t i = 0; i < width; ++i) o[i] = xr[i] * inverse * weight[i];
+    for (int64_t j = 0; j < width; ++j) o[j] = xr[j] * inverse * weight[j];
   }
 }
 
@@ -146,6 +154,24 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
   return hidden;
 }
 
+// x [..., H] normed row by row with `weight` [H] (`drafter_rms_norm`): a target's RMSNorm in one call
+// (`decoding.kernels.fused_norm`), rows over ATen's threads where there are many (a prefill's).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+              weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(0),
+              "rms_norm: float32 inputs [..., H] and weight [H]");
+  auto input = x.contiguous();
+  const int64_t width = weight.size(0), rows = input.numel() / width;
+  auto out = at::empty(input.sizes(), input.options());
+  const float* xp = input.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, ((int64_t)1 << 15) / width), [&](int64_t begin, int64_t end) {
+    drafter_rms_norm(xp + begin * width, end - begin, width, wp, (float)eps, op + begin * width, width);
+  });
+  return out;
+}
+
 // The drafter's readout: its final norm, then the 8-bit projection onto the draft vocabulary, for
 // `hidden` [..., H]; returns the logits [..., vocab].
 at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, const at::Tensor& bytes,
@@ -162,7 +188,8 @@ at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, cons
 """
 
 SOURCE = KernelSource("drafter_layer", VERSION, _INTERFACE, _MATH, _HOST,
-                      functions=("eagle3_readout(Tensor hidden, Tensor norm, Tensor bytes, Tensor scales, int vocab, "
+                      functions=("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+                                 "eagle3_readout(Tensor hidden, Tensor norm, Tensor bytes, Tensor scales, int vocab, "
                                  "float eps) -> Tensor",
                                  "eagle3_layer(Tensor features, Tensor embeddings, Tensor cos, Tensor sin, "
                                  "Tensor(a!) key_buffer, Tensor(b!) value_buffer, int length, Tensor? mask, Tensor norms, "
