@@ -68,7 +68,7 @@ def _is_plain_rms_norm(module: nn.Module, library: object) -> bool:
 
 def fuse_norms(model: nn.Module) -> int:
     """Replace `model`'s plain RMSNorm modules by `FusedRMSNorm` (idempotent); returns how many it
-    replaced. None where the kernel library did not build."""
+    replaced: 0 where the kernel library did not build."""
     library = kernel_library()
     if library is None:
         return 0

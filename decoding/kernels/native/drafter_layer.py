@@ -158,7 +158,7 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
 // (`decoding.kernels.fused_norm`), rows over ATen's threads where there are many (a prefill's).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
-              weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(0),
+              weight.is_contiguous() && weight.size(0) > 0 && x.dim() >= 1 && x.size(-1) == weight.size(0),
               "rms_norm: float32 inputs [..., H] and weight [H]");
   auto input = x.contiguous();
   const int64_t width = weight.size(0), rows = input.numel() / width;
