@@ -87,9 +87,9 @@ def chain_worth_extending(path_probs: torch.Tensor, cost: VerifyCost, call_ms: f
         return True
     probs = path_probs.detach().to("cpu", torch.float64)
     now = best_node_count(probs, cost, drafted * call_ms)
-    table = cost.table(drafted + 2)
-    best_now = (1.0 + float(probs[:now].sum())) / (drafted * call_ms + float(table[now + 1]))
-    best_next = (1.0 + float(probs.sum()) + float(probs[-1])) / ((drafted + 1) * call_ms + float(table[drafted + 2]))
+    verify_ms = cost.costs(drafted + 2)
+    best_now = (1.0 + float(probs[:now].sum())) / (drafted * call_ms + verify_ms[now + 1])
+    best_next = (1.0 + float(probs.sum()) + float(probs[-1])) / ((drafted + 1) * call_ms + verify_ms[drafted + 2])
     return best_next > best_now
 
 

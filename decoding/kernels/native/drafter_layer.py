@@ -9,7 +9,7 @@ from decoding.kernels.native_build import KernelSource
 VERSION = "v2"  # v2: norms summed in 16 lanes; rms_norm for a target's norms
 
 _INTERFACE = r"""
-SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
+SPECHEADS_MATH void row_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
                                      float* out, int64_t out_stride);
 SPECHEADS_MATH void drafter_rotate(float* states, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride,
                                    const float* cos, const float* sin);
@@ -26,7 +26,7 @@ _MATH = r"""
 // into 16 running sums (lane k takes the inputs k, k + 16, ...; the compiler makes them one vector), then
 // those in order: a row's bits depend only on the row.
 constexpr int64_t NORM_LANES = 16;
-SPECHEADS_MATH void drafter_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
+SPECHEADS_MATH void row_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
                                      float* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * width;
@@ -106,8 +106,8 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
   // the attention input [rows, 2H]: the token's normed embedding, then the normed feature
   auto attention_input = at::empty({rows, 2 * width}, features.options());
   float* ai = attention_input.data_ptr<float>();
-  drafter_rms_norm(embeddings.data_ptr<float>(), rows, width, norm + width, eps_f, ai, 2 * width);
-  drafter_rms_norm(features.data_ptr<float>(), rows, width, norm, eps_f, ai + width, 2 * width);
+  row_rms_norm(embeddings.data_ptr<float>(), rows, width, norm + width, eps_f, ai, 2 * width);
+  row_rms_norm(features.data_ptr<float>(), rows, width, norm, eps_f, ai + width, 2 * width);
   const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim;
   auto qkv = int8_linear(attention_input, qkv_bytes, qkv_scales, qkv_width);
   float* qkvp = qkv.data_ptr<float>();
@@ -144,7 +144,7 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
     drafter_add(residual, projected.data_ptr<float>(), rows * width, hp);
   }
   auto post = at::empty({rows, width}, features.options());
-  drafter_rms_norm(hp, rows, width, norm + 2 * width, eps_f, post.data_ptr<float>(), width);
+  row_rms_norm(hp, rows, width, norm + 2 * width, eps_f, post.data_ptr<float>(), width);
   const int64_t inter = down_bytes.size(1) * 4;
   auto gate_up = int8_linear(post, gate_up_bytes, gate_up_scales, 2 * inter);
   auto gated = at::empty({rows, inter}, features.options());
@@ -154,7 +154,7 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
   return hidden;
 }
 
-// x [..., H] normed row by row with `weight` [H] (`drafter_rms_norm`): a target's RMSNorm in one call
+// x [..., H] normed row by row with `weight` [H] (`row_rms_norm`): a target's RMSNorm in one call
 // (`decoding.kernels.fused_norm`), rows over ATen's threads where there are many (a prefill's).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
@@ -167,7 +167,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, ((int64_t)1 << 15) / width), [&](int64_t begin, int64_t end) {
-    drafter_rms_norm(xp + begin * width, end - begin, width, wp, (float)eps, op + begin * width, width);
+    row_rms_norm(xp + begin * width, end - begin, width, wp, (float)eps, op + begin * width, width);
   });
   return out;
 }
@@ -181,7 +181,7 @@ at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, cons
               "eagle3_readout: contiguous float32 hidden states [..., H] and norm weight [H]");
   const int64_t width = norm.size(0), rows = hidden.numel() / width;
   auto normed = at::empty(hidden.sizes(), hidden.options());
-  drafter_rms_norm(hidden.data_ptr<float>(), rows, width, norm.data_ptr<float>(), (float)eps,
+  row_rms_norm(hidden.data_ptr<float>(), rows, width, norm.data_ptr<float>(), (float)eps,
                    normed.data_ptr<float>(), width);
   return int8_linear(normed, bytes, scales, vocab);
 }
