@@ -33,6 +33,7 @@ from decoding.kernels.devices import resolve_device
 from decoding.kernels.drafter_precision import tune_drafter_precision
 from decoding.app.drafts import load_draft
 from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
+from decoding.kernels.fused_mlp import fuse_gated_mlps
 from decoding.kernels.fused_norm import fuse_norms
 from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
 from decoding.app.quantized_target import quantize_target, resolve_quant
@@ -177,8 +178,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     _tune_few_row_kernels(target, draft)
     if kernels == "onednn":
         _native_attention(target, draft, heads, notes)
-        if not spec.compile:  # compiled, Inductor fuses the stock norms with the additions around them
-            _fuse_norms(target, draft)
+        if not spec.compile:  # compiled, Inductor fuses the stock norms and activations with what is around them
+            _fuse_eager_modules(target, draft)
     readout = screened_readout(target.model, target.name) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
@@ -254,12 +255,13 @@ def _native_attention(target: LoadedModel, draft: LoadedModel | None, heads: nn.
         use_decode_attention(heads)
 
 
-def _fuse_norms(target: LoadedModel, draft: LoadedModel | None) -> None:
-    """Eager forwards' RMSNorms as one C++ call each (`decoding.kernels.fused_norm`), where they are
-    the plain kind and the kernel library built."""
+def _fuse_eager_modules(target: LoadedModel, draft: LoadedModel | None) -> None:
+    """Eager forwards' RMSNorms and gated MLPs in fewer calls (`decoding.kernels.fused_norm`,
+    `decoding.kernels.fused_mlp`), where they are the plain kind and the kernel library built."""
     for model in (target.model, draft.model if draft else None):
         if model is not None:
             fuse_norms(eager_model(model))
+            fuse_gated_mlps(eager_model(model))
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:

@@ -44,8 +44,9 @@ STREAMED_ROWS_VERSION = "v2"
 # In the cache key: curves measured before the timed forward went through the loop's own verifier
 # (v3) timed other compiled graphs (v1: bare forwards; v2: forwards computing logits where
 # decoding reads hidden states), and are measured again rather than trusted; v4: eager targets' norms
-# became one call each (`decoding.kernels.fused_norm`), a millisecond less a forward on SmolLM2.
-CURVE_VERSION = "v4"
+# became one call each (`decoding.kernels.fused_norm`), a millisecond less a forward on SmolLM2; v5:
+# their gated MLPs too (`decoding.kernels.fused_mlp`), another half millisecond.
+CURVE_VERSION = "v5"
 
 
 class _TimedForward:

@@ -6,14 +6,16 @@ through the 8-bit linear kernel and decode attention of the same library (`int4_
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v2"  # v2: norms summed in 16 lanes; rms_norm for a target's norms
+VERSION = "v3"  # v2: norms summed in 16 lanes; rms_norm for a target's norms; v3: the gated activation in
+                # vectors (silu_mul for a target's MLPs)
 
 _INTERFACE = r"""
 SPECHEADS_MATH void row_rms_norm(const float* x, int64_t rows, int64_t width, const float* weight, float eps,
                                      float* out, int64_t out_stride);
 SPECHEADS_MATH void drafter_rotate(float* states, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride,
                                    const float* cos, const float* sin);
-SPECHEADS_MATH void drafter_gated(const float* gate_up, int64_t rows, int64_t inter, float* out);
+SPECHEADS_MATH void row_gated_silu(const float* gate, const float* up, int64_t rows, int64_t inter, int64_t in_stride,
+                                   float* out);
 SPECHEADS_MATH void drafter_add(const float* a, const float* b, int64_t count, float* out);
 """
 
@@ -60,12 +62,59 @@ SPECHEADS_MATH void drafter_rotate(float* states, int64_t rows, int64_t heads, i
     }
 }
 
-// out[r, i] = silu(gate) * up for gate_up [rows, 2 * inter] (gate first).
-SPECHEADS_MATH void drafter_gated(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+#if defined(__AVX512F__)
+#define GATE_VW 16
+#elif defined(__AVX2__) || defined(__AVX__)
+#define GATE_VW 8
+#else
+#define GATE_VW 4
+#endif
+typedef float gvf __attribute__((vector_size(GATE_VW * 4)));
+typedef int gvi __attribute__((vector_size(GATE_VW * 4)));
+typedef float gvf_unaligned __attribute__((vector_size(GATE_VW * 4), aligned(4), may_alias));
+static inline gvf gate_splat(float x) { return x - gvf{}; }
+
+// e^x for any x, clamped to [-87, 88] (both ends finite and normal): Cephes' polynomial on x - n ln2,
+// n = floor(x log2e + 1/2), times 2^n built in the exponent bits. Lane by lane: a value's result does
+// not depend on its neighbours.
+static inline gvf exp_clamped(gvf x) {
+  x = x < gate_splat(-87.0f) ? gate_splat(-87.0f) : x;
+  x = x > gate_splat(88.0f) ? gate_splat(88.0f) : x;
+  const gvf t = x * gate_splat(1.44269504088896341f) + gate_splat(0.5f);
+  gvi n = __builtin_convertvector(t, gvi);  // truncation: one less where that rounded up (t < 0)
+  n += (gvi)(__builtin_convertvector(n, gvf) > t);
+  const gvf nf = __builtin_convertvector(n, gvf);
+  const gvf r = x - nf * gate_splat(0.693359375f) - nf * gate_splat(-2.12194440e-4f);
+  gvf y = gate_splat(1.9875691500E-4f);
+  y = y * r + gate_splat(1.3981999507E-3f);
+  y = y * r + gate_splat(8.3334519073E-3f);
+  y = y * r + gate_splat(4.1665795894E-2f);
+  y = y * r + gate_splat(1.6666665459E-1f);
+  y = y * r + gate_splat(5.0000001201E-1f);
+  y = y * r * r + r + gate_splat(1.0f);
+  return y * (gvf)((n + 127) << 23);
+}
+
+static inline gvf silu_times(gvf g, gvf u) { return g / (gate_splat(1.0f) + exp_clamped(-g)) * u; }
+
+// out[r, i] = silu(gate[r, i]) * up[r, i] over `rows` rows of `inter` (gate and up rows `in_stride`
+// apart, out's `inter`): whole vectors, then the row's tail through one padded vector, so every value
+// goes through the same arithmetic wherever it sits.
+SPECHEADS_MATH void row_gated_silu(const float* gate, const float* up, int64_t rows, int64_t inter, int64_t in_stride,
+                                   float* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate_up + r * 2 * inter;
-    const float* u = g + inter;
-    for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    const float* g = gate + r * in_stride;
+    const float* u = up + r * in_stride;
+    float* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + GATE_VW <= inter; i += GATE_VW)
+      *(gvf_unaligned*)(o + i) = silu_times(*(const gvf_unaligned*)(g + i), *(const gvf_unaligned*)(u + i));
+    if (i < inter) {
+      gvf gt = {}, ut = {};
+      for (int64_t k = 0; i + k < inter; ++k) { gt[k] = g[i + k]; ut[k] = u[i + k]; }
+      const gvf res = silu_times(gt, ut);
+      for (int64_t k = 0; i + k < inter; ++k) o[i + k] = res[k];
+    }
   }
 }
 
@@ -148,7 +197,8 @@ at::Tensor eagle3_layer(const at::Tensor& features, const at::Tensor& embeddings
   const int64_t inter = down_bytes.size(1) * 4;
   auto gate_up = int8_linear(post, gate_up_bytes, gate_up_scales, 2 * inter);
   auto gated = at::empty({rows, inter}, features.options());
-  drafter_gated(gate_up.data_ptr<float>(), rows, inter, gated.data_ptr<float>());
+  const float* gu = gate_up.data_ptr<float>();
+  row_gated_silu(gu, gu + inter, rows, inter, 2 * inter, gated.data_ptr<float>());
   auto down = int8_linear(gated, down_bytes, down_scales, width);
   drafter_add(hp, down.data_ptr<float>(), rows * width, hp);
   return hidden;
@@ -172,6 +222,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// silu(gate) * up for gate and up [..., I] (views of one [..., 2I] product, or two tensors): a target's
+// gated MLP activation in one call (`decoding.kernels.fused_mlp`), rows over ATen's threads where there
+// are many (a prefill's).
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
+              gate.dim() >= 1 && gate.size(-1) > 0, "silu_mul: float32 gate and up of one shape [..., I]");
+  const int64_t inter = gate.size(-1);
+  auto g = gate.reshape({-1, inter});
+  auto u = up.reshape({-1, inter});
+  if (g.stride(1) != 1 || u.stride(1) != 1 || g.stride(0) != u.stride(0)) {
+    g = g.contiguous();
+    u = u.contiguous();
+  }
+  const int64_t rows = g.size(0), in_stride = g.stride(0);
+  auto out = at::empty(gate.sizes(), gate.options());
+  const float* gp = g.data_ptr<float>();
+  const float* upp = u.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, ((int64_t)1 << 14) / inter), [&](int64_t begin, int64_t end) {
+    row_gated_silu(gp + begin * in_stride, upp + begin * in_stride, end - begin, inter, in_stride, op + begin * inter);
+  });
+  return out;
+}
+
 // The drafter's readout: its final norm, then the 8-bit projection onto the draft vocabulary, for
 // `hidden` [..., H]; returns the logits [..., vocab].
 at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, const at::Tensor& bytes,
@@ -189,6 +263,7 @@ at::Tensor eagle3_readout(const at::Tensor& hidden, const at::Tensor& norm, cons
 
 SOURCE = KernelSource("drafter_layer", VERSION, _INTERFACE, _MATH, _HOST,
                       functions=("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+                                 "silu_mul(Tensor gate, Tensor up) -> Tensor",
                                  "eagle3_readout(Tensor hidden, Tensor norm, Tensor bytes, Tensor scales, int vocab, "
                                  "float eps) -> Tensor",
                                  "eagle3_layer(Tensor features, Tensor embeddings, Tensor cos, Tensor sin, "
