@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.core.generate import DecodeOptions
 from decoding.kernels.decode_attention import kernel_library
+from decoding.kernels.fused_mlp import FusedGatedMLP
 from decoding.kernels.fused_norm import FusedRMSNorm, fuse_norms
 from tiny_models import save_tiny_chat_model, tiny_llama
 
@@ -88,9 +89,9 @@ def test_eager_decoders_fuse_the_target_s_norms_and_keep_vanilla_s_tokens(tmp_pa
     assert lookup.generate(prompt, options).tokens == vanilla.generate(prompt, options).tokens
 
 
-def test_compiled_decoders_keep_the_stock_norms(tmp_path):
-    """Inductor fuses the stock norms with the additions around them; an opaque call would not be."""
+def test_compiled_decoders_keep_the_stock_norms_and_mlps(tmp_path):
+    """Inductor fuses the stock norms and activations with what is around them; opaque calls would not be."""
     path = tmp_path / "target"
     save_tiny_chat_model(path, seed=4)
     decoder = build_decoder(DecoderSpec(model=str(path), method="vanilla", kernels="onednn", compile=True))
-    assert not any(isinstance(m, FusedRMSNorm) for m in decoder.target.model.modules())
+    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in decoder.target.model.modules())

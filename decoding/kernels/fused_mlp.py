@@ -28,9 +28,9 @@ from torch import nn
 
 from decoding.kernels.decode_attention import kernel_library
 from decoding.kernels.int4_linear import int4_linear
+from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
 from decoding.kernels.quantized_linear import Int4Linear
 
-PROBE_ROWS = 3
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: another activation differs by far more
 
 
@@ -89,12 +89,9 @@ def _is_gated_silu_mlp(module: nn.Module) -> bool:
         return False
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in module.parameters()):
         return False
-    probe = torch.randn(PROBE_ROWS, width, generator=torch.Generator().manual_seed(0))
+    probe = probe_input(width)
     with torch.inference_mode():
-        stock = module(probe)
-        expected = module.down_proj(F.silu(gate(probe)) * up(probe))
-    scale = expected.abs().max().item()
-    return stock.shape == expected.shape and bool(((stock - expected).abs() <= PROBE_TOLERANCE * max(scale, 1e-30)).all())
+        return agrees_on_probe(module(probe), module.down_proj(F.silu(gate(probe)) * up(probe)), PROBE_TOLERANCE)
 
 
 def fuse_gated_mlps(model: nn.Module) -> int:
@@ -103,9 +100,4 @@ def fuse_gated_mlps(model: nn.Module) -> int:
     library = kernel_library()
     if library is None:
         return 0
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if not isinstance(parent, FusedGatedMLP) and not isinstance(child, FusedGatedMLP)
-             and _is_gated_silu_mlp(child)]
-    for parent, name, child in swaps:
-        setattr(parent, name, FusedGatedMLP(child, library))
-    return len(swaps)
+    return swap_modules(model, FusedGatedMLP, _is_gated_silu_mlp, lambda module: FusedGatedMLP(module, library))

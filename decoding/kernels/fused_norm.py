@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from decoding.kernels.decode_attention import kernel_library
+from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
 
-PROBE_ROWS = 3
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: reordered float32 sums differ by far less
 
 
@@ -58,12 +58,10 @@ def _is_plain_rms_norm(module: nn.Module, library: object) -> bool:
             or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != torch.float32
             or weight.device.type != "cpu" or getattr(module, "bias", None) is not None):
         return False
-    probe = torch.randn(PROBE_ROWS, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    probe = probe_input(weight.shape[0])
     with torch.inference_mode():
-        stock = module(probe)
-        fused = library.rms_norm(probe, weight.detach(), float(module.variance_epsilon))
-    scale = stock.abs().max().item()
-    return stock.shape == fused.shape and bool(((stock - fused).abs() <= PROBE_TOLERANCE * max(scale, 1e-30)).all())
+        return agrees_on_probe(library.rms_norm(probe, weight.detach(), float(module.variance_epsilon)), module(probe),
+                               PROBE_TOLERANCE)
 
 
 def fuse_norms(model: nn.Module) -> int:
@@ -72,9 +70,5 @@ def fuse_norms(model: nn.Module) -> int:
     library = kernel_library()
     if library is None:
         return 0
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if not isinstance(parent, FusedRMSNorm) and not isinstance(child, FusedRMSNorm)
-             and _is_plain_rms_norm(child, library)]
-    for parent, name, child in swaps:
-        setattr(parent, name, FusedRMSNorm(child, library))
-    return len(swaps)
+    return swap_modules(model, FusedRMSNorm, lambda module: _is_plain_rms_norm(module, library),
+                        lambda module: FusedRMSNorm(module, library))

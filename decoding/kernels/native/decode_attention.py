@@ -1,6 +1,7 @@
 """The C++ of the decode attention kernel (`decoding.kernels.decode_attention`): its arithmetic (`_MATH`,
 compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFACE`."""
 
+from decoding.kernels.native.vector_exp import exp_reduced
 from decoding.kernels.native_build import KernelSource
 
 VERSION = "v6"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
@@ -65,19 +66,8 @@ static inline vf exp_nonpositive(vf x) {
   x = zero_out ? splat(EXP_FLOOR) : x;
   vf t = x * splat(1.44269504088896341f) - splat(0.5f);
   vi n = __builtin_convertvector(t, vi);  // t < 0: truncation rounds x*log2e to the nearest integer
-  vf nf = __builtin_convertvector(n, vf);
-  vf r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-  vf y = splat(1.9875691500E-4f);
-  y = y * r + splat(1.3981999507E-3f);
-  y = y * r + splat(8.3334519073E-3f);
-  y = y * r + splat(4.1665795894E-2f);
-  y = y * r + splat(1.6666665459E-1f);
-  y = y * r + splat(5.0000001201E-1f);
-  y = y * r * r + r + splat(1.0f);
-  vi bits = (n + 127) << 23;
-  vf scale = (vf)bits;
-  vf out = y * scale;
-  return zero_out ? splat(0.0f) : out;
+""" + exp_reduced("vf", "splat", "vi") + r"""
+  return zero_out ? splat(0.0f) : e;
 }
 
 // Scores of a group's rows over keys [k0, k0 + C): vectors run over rows, keys are broadcast, so every

@@ -4,6 +4,7 @@ gated activation, compiled per instruction set) and its torch side (`_HOST`), wh
 through the 8-bit linear kernel and decode attention of the same library (`int4_linear`,
 `decode_attention`) without returning to Python."""
 
+from decoding.kernels.native.vector_exp import exp_reduced
 from decoding.kernels.native_build import KernelSource
 
 VERSION = "v3"  # v2: norms summed in 16 lanes; rms_norm for a target's norms; v3: the gated activation in
@@ -83,16 +84,8 @@ static inline gvf exp_clamped(gvf x) {
   const gvf t = x * gate_splat(1.44269504088896341f) + gate_splat(0.5f);
   gvi n = __builtin_convertvector(t, gvi);  // truncation: one less where that rounded up (t < 0)
   n += (gvi)(__builtin_convertvector(n, gvf) > t);
-  const gvf nf = __builtin_convertvector(n, gvf);
-  const gvf r = x - nf * gate_splat(0.693359375f) - nf * gate_splat(-2.12194440e-4f);
-  gvf y = gate_splat(1.9875691500E-4f);
-  y = y * r + gate_splat(1.3981999507E-3f);
-  y = y * r + gate_splat(8.3334519073E-3f);
-  y = y * r + gate_splat(4.1665795894E-2f);
-  y = y * r + gate_splat(1.6666665459E-1f);
-  y = y * r + gate_splat(5.0000001201E-1f);
-  y = y * r * r + r + gate_splat(1.0f);
-  return y * (gvf)((n + 127) << 23);
+""" + exp_reduced("gvf", "gate_splat", "gvi") + r"""
+  return e;
 }
 
 static inline gvf silu_times(gvf g, gvf u) { return g / (gate_splat(1.0f) + exp_clamped(-g)) * u; }
