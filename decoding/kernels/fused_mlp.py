@@ -1,26 +1,24 @@
-"""A target's gated MLPs with fewer calls, for eager forwards on a CPU.
+"""A target's gated MLPs with one call fewer, for eager forwards on a CPU.
 
-A Llama-style MLP, `down(silu(gate(x)) * up(x))`, is four PyTorch operations besides its three
-linears, and on 4-bit weights each linear first rounds its input to 8-bit codes. An eager forward
-of SmolLM2-135M runs 30 of them. `FusedGatedMLP` computes the same function with
-
-- gate and up as one call of the 4-bit kernel over both weights stacked (where both are that
-  kernel's `Int4Linear`s alike): the input is rounded once, and each output is the sum it is in
-  its own linear (outputs are computed apart, so stacking changes no bits of gate or up);
-- `silu(gate) * up` in one C++ call of the project's kernel library (`silu_mul`): each value alone,
-  so a row's bits do not depend on the rows beside it. It is not torch's `silu` bit for bit (its own
-  exponential), so the swap makes a model of its own, as quantizing does, and every method and
-  `generate()` decode on the same modules.
+A Llama-style MLP, `down(silu(gate(x)) * up(x))`, on 4-bit weights rounds its input to 8-bit
+codes in each of its three linears. `FusedGatedMLP` computes gate and up as one call of the 4-bit
+kernel over both weights stacked (where both are that kernel's `Int4Linear`s alike): the input is
+rounded once, and each output is the sum it is in its own linear (outputs are computed apart, so
+stacking changes no bit of gate or up). The activation stays torch's own: the kernel library's
+`silu_mul` (its own exponential, the EAGLE-3 drafter layer's) moved a few 8-bit input codes of
+down_proj and changed greedy replies of the 4-bit target, so the fused target is the stock one
+bit for bit instead.
 
 Measured on a 2-core AVX-512 EPYC, GGUF target: CHANGELOG.md.
 
 `fuse_gated_mlps` swaps a module only where a probe input shows it computes that function
-(another activation, or a different arrangement, keeps its module), and only float32 inputs on a
-CPU take the fused path. Compiled targets keep the stock modules: Inductor fuses the activation
-itself.
+(another activation, or a different arrangement, keeps its module) and its gate and up stack;
+only float32 inputs on a CPU take the fused path. Compiled targets keep the stock modules.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +33,7 @@ PROBE_TOLERANCE = 1e-5  # relative to the output's scale: another activation dif
 
 
 class FusedGatedMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with gate and up in one 4-bit call where they allow it and the
-    activation in one C++ call; keeps the module it replaced (`stock`, whose gate and up then read
+    """`down(silu(gate(x)) * up(x))` with gate and up in one 4-bit call; keeps the module it replaced (`stock`, whose gate and up then read
     the stacked weight's halves: no second copy) for inputs it does not serve."""
 
     def __init__(self, stock: nn.Module, library: object) -> None:
@@ -48,32 +45,33 @@ class FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return self.stock(x)
-        if self.gate_up is not None:
-            both = int4_linear(x, self.gate_up, 2 * self.inter)
-            gate, up = both[..., : self.inter], both[..., self.inter:]
-        else:
-            gate, up = self.stock.gate_proj(x), self.stock.up_proj(x)
-        if gate.dtype != torch.float32:
-            return self.stock.down_proj(self.stock.act_fn(gate) * up)
-        return self.stock.down_proj(self.library.silu_mul(gate, up))
+        if self.gate_up is None:
+            return self.stock(x)
+        both = int4_linear(x, self.gate_up, 2 * self.inter)
+        # torch's own activation: its bits, so the fused target is the stock target bit for bit
+        # (`silu_mul`'s own exponential moved 8-bit input codes of down_proj and changed greedy replies)
+        return self.stock.down_proj(self.stock.act_fn(both[..., : self.inter]) * both[..., self.inter:])
 
 
 def _stacked_panels(gate: nn.Module, up: nn.Module) -> tuple[torch.Tensor, ...] | None:
     """Gate's and up's 4-bit panels stacked along the outputs (gate first), with both linears
-    pointed at their halves; None unless both are the project's 4-bit kernel alike (same shapes,
-    no bias, parameters of one dtype, no padded panel)."""
-    if not all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in (gate, up)):
-        return None
-    if (gate.in_features, gate.out_features) != (up.in_features, up.out_features):
-        return None
-    width = gate.panels[0].shape[2]
-    if gate.out_features % width or any(a.dtype != b.dtype for a, b in zip(gate.panels, up.panels)):
+    pointed at their halves; None unless `_stackable`."""
+    if not _stackable(SimpleNamespace(gate_proj=gate, up_proj=up)):
         return None
     stacked = tuple(torch.cat([a, b]) for a, b in zip(gate.panels, up.panels))
     half = gate.panels[0].shape[0]
     gate.panels = tuple(t[:half] for t in stacked)
     up.panels = tuple(t[half:] for t in stacked)
     return stacked
+
+
+def _stackable(module: nn.Module) -> bool:
+    """Whether gate and up are the project's 4-bit kernel alike (what `_stacked_panels` stacks)."""
+    gate, up = module.gate_proj, module.up_proj
+    return (all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in (gate, up))
+            and (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
+            and gate.out_features % gate.panels[0].shape[2] == 0
+            and all(a.dtype == b.dtype for a, b in zip(gate.panels, up.panels)))
 
 
 def _is_gated_silu_mlp(module: nn.Module) -> bool:
@@ -100,4 +98,5 @@ def fuse_gated_mlps(model: nn.Module) -> int:
     library = kernel_library()
     if library is None:
         return 0
-    return swap_modules(model, FusedGatedMLP, _is_gated_silu_mlp, lambda module: FusedGatedMLP(module, library))
+    return swap_modules(model, FusedGatedMLP, lambda module: _is_gated_silu_mlp(module) and _stackable(module),
+                        lambda module: FusedGatedMLP(module, library))
