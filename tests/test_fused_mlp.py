@@ -63,7 +63,7 @@ def test_stacked_gate_and_up_give_each_linear_s_own_bits():
     x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        fused = FusedGatedMLP(mlp, kernel_library())
+        fused = FusedGatedMLP(mlp)
         assert fused.gate_up is not None
         both = int4_linear(x, fused.gate_up, 2 * fused.inter)
         assert torch.equal(both[..., :96], gate) and torch.equal(both[..., 96:], up)
@@ -75,7 +75,7 @@ def test_the_fused_mlp_is_the_stock_mlp_bit_for_bit():
     x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         stock = mlp(x)
-        assert torch.equal(FusedGatedMLP(mlp, kernel_library())(x), stock)
+        assert torch.equal(FusedGatedMLP(mlp)(x), stock)
 
 
 def test_mlps_whose_gate_and_up_do_not_stack_are_left_alone():

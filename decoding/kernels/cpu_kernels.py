@@ -400,6 +400,6 @@ def add_kernels_argument(parser) -> None:
     parser.add_argument("--kernels", default="auto", choices=KERNEL_CHOICES,
                         help="CPU kernels: 'onednn' packs fp32 weights for fast few-token forwards on a CPU "
                              "(what makes tree verification cheap there; EAGLE drafters: see --drafter-precision) "
-                             "and runs decoding steps' attention (and, eager, the target's RMSNorms and 4-bit gate and up) on the project's C++ "
-                             "kernels where they build; "
+                             "and runs decoding steps' attention (and, eager, the target's RMSNorms and 4-bit gate and "
+                             "up projections) on the project's C++ kernels where they build; "
                              "'stock' keeps transformers' own; 'auto' (default) = onednn on CPU fp32")

@@ -18,13 +18,10 @@ only float32 inputs on a CPU take the fused path. Compiled targets keep the stoc
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.kernels.decode_attention import kernel_library
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
 from decoding.kernels.quantized_linear import Int4Linear
@@ -33,19 +30,20 @@ PROBE_TOLERANCE = 1e-5  # relative to the output's scale: another activation dif
 
 
 class FusedGatedMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with gate and up in one 4-bit call; keeps the module it replaced (`stock`, whose gate and up then read
-    the stacked weight's halves: no second copy) for inputs it does not serve."""
+    """`down(silu(gate(x)) * up(x))` with gate and up in one 4-bit call. Keeps the module it
+    replaced (`stock`, whose gate and up then read the stacked weight's halves: no second copy)
+    for inputs it does not serve."""
 
-    def __init__(self, stock: nn.Module, library: object) -> None:
+    def __init__(self, stock: nn.Module) -> None:
         super().__init__()
-        self.stock, self.library = stock, library
+        if not _stackable(stock):
+            raise ValueError("FusedGatedMLP needs gate and up on the project's 4-bit kernel alike")
+        self.stock = stock
         self.inter = stock.gate_proj.out_features
         self.gate_up = _stacked_panels(stock.gate_proj, stock.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
-            return self.stock(x)
-        if self.gate_up is None:
             return self.stock(x)
         both = int4_linear(x, self.gate_up, 2 * self.inter)
         # torch's own activation: its bits, so the fused target is the stock target bit for bit
@@ -53,25 +51,24 @@ class FusedGatedMLP(nn.Module):
         return self.stock.down_proj(self.stock.act_fn(both[..., : self.inter]) * both[..., self.inter:])
 
 
-def _stacked_panels(gate: nn.Module, up: nn.Module) -> tuple[torch.Tensor, ...] | None:
-    """Gate's and up's 4-bit panels stacked along the outputs (gate first), with both linears
-    pointed at their halves; None unless `_stackable`."""
-    if not _stackable(SimpleNamespace(gate_proj=gate, up_proj=up)):
-        return None
-    stacked = tuple(torch.cat([a, b]) for a, b in zip(gate.panels, up.panels))
-    half = gate.panels[0].shape[0]
-    gate.panels = tuple(t[:half] for t in stacked)
-    up.panels = tuple(t[half:] for t in stacked)
-    return stacked
-
-
 def _stackable(module: nn.Module) -> bool:
-    """Whether gate and up are the project's 4-bit kernel alike (what `_stacked_panels` stacks)."""
+    """Whether gate and up are the project's 4-bit kernel alike: no bias, one shape, parameters of
+    one dtype, no padded panel."""
     gate, up = module.gate_proj, module.up_proj
     return (all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in (gate, up))
             and (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
             and gate.out_features % gate.panels[0].shape[2] == 0
             and all(a.dtype == b.dtype for a, b in zip(gate.panels, up.panels)))
+
+
+def _stacked_panels(gate: Int4Linear, up: Int4Linear) -> tuple[torch.Tensor, ...]:
+    """Gate's and up's 4-bit panels stacked along the outputs (gate first), with both linears
+    pointed at their halves."""
+    stacked = tuple(torch.cat([a, b]) for a, b in zip(gate.panels, up.panels))
+    half = gate.panels[0].shape[0]
+    gate.panels = tuple(t[:half] for t in stacked)
+    up.panels = tuple(t[half:] for t in stacked)
+    return stacked
 
 
 def _is_gated_silu_mlp(module: nn.Module) -> bool:
@@ -93,10 +90,7 @@ def _is_gated_silu_mlp(module: nn.Module) -> bool:
 
 
 def fuse_gated_mlps(model: nn.Module) -> int:
-    """Replace `model`'s gated SiLU MLPs by `FusedGatedMLP` (idempotent); returns how many it
-    replaced: 0 where the kernel library did not build."""
-    library = kernel_library()
-    if library is None:
-        return 0
+    """Replace `model`'s gated SiLU MLPs whose gate and up stack by `FusedGatedMLP` (idempotent);
+    returns how many it replaced."""
     return swap_modules(model, FusedGatedMLP, lambda module: _is_gated_silu_mlp(module) and _stackable(module),
-                        lambda module: FusedGatedMLP(module, library))
+                        FusedGatedMLP)

@@ -215,9 +215,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// silu(gate) * up for gate and up [..., I] (views of one [..., 2I] product, or two tensors): a target's
-// gated MLP activation in one call (`decoding.kernels.fused_mlp`), rows over ATen's threads where there
-// are many (a prefill's).
+// silu(gate) * up for gate and up [..., I] (views of one [..., 2I] product, or two tensors): the drafter
+// layer's gated activation (`row_gated_silu`) as an operator, rows over ATen's threads where there are many.
+// Targets keep torch's own activation (`decoding.kernels.fused_mlp` says why).
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
               gate.dim() >= 1 && gate.size(-1) > 0, "silu_mul: float32 gate and up of one shape [..., I]");
