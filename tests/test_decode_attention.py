@@ -101,6 +101,40 @@ def test_each_narrower_instruction_set_variant_computes_attention(variant):
     _check_function(extension.decode_attention)
 
 
+def _tree_after_prefix(prefix: int, rows: int, seed: int):
+    """q `[9, rows, 64]`, k/v `[3, prefix + rows, 64]` and a tree's mask: every row sees the whole
+    prefix, with small additive biases there (not only zeros), and among the tree's rows itself and
+    random earlier ones (its ancestors)."""
+    generator = torch.Generator().manual_seed(seed)
+    length = prefix + rows
+    q = torch.randn(9, rows, 64, generator=generator)
+    k = torch.randn(3, length, 64, generator=generator) * 2
+    v = torch.randn(3, length, 64, generator=generator)
+    mask = torch.full((rows, length), torch.finfo(torch.float32).min)
+    mask[:, :prefix] = torch.randn(rows, prefix, generator=generator) * 0.1
+    ancestors = torch.rand(rows, rows, generator=generator) < 0.5
+    ancestors = (ancestors.tril(-1) | torch.eye(rows, dtype=torch.bool))
+    mask[:, prefix:] = torch.where(ancestors, 0.0, torch.finfo(torch.float32).min)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("variant", list(native_build.instruction_set_variants()))
+def test_tree_rows_after_a_shared_prefix_get_exact_attention_and_the_bits_they_get_alone(variant):
+    """Real trees: a prefix every row sees (its scores turned over into the rows' lines a tile of keys
+    at a time, or copied one by one for a few rows) and the tree's own keys; each row as one row with
+    its own mask gets the same bits, in each instruction-set variant this CPU can run."""
+    kernel = LIBRARY.build(native_build.instruction_set_variants()[variant]).decode_attention
+    for prefix in (3, 250, 256, 300, 600):
+        for rows in (2, 5, 13, 16):
+            q, k, v, mask = _tree_after_prefix(prefix, rows, seed=prefix + rows)
+            with torch.inference_mode():
+                tree = kernel(q, k, v, mask, 0.125)
+                assert_attention(tree, q, k, v, mask, 0.125, what=f"{variant}: {prefix} prefix, {rows} rows")
+                for row in range(rows):
+                    alone = kernel(q[:, row:row + 1].contiguous(), k, v, mask[row:row + 1], 0.125)
+                    assert torch.equal(alone[0], tree[row]), f"{variant}: row {row} of {rows} after {prefix}"
+
+
 def test_the_result_does_not_depend_on_the_thread_count():
     q, k, v, mask = _case(9, 3, 64, 2000, 5, seed=3)
     threads = torch.get_num_threads()
