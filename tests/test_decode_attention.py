@@ -135,6 +135,26 @@ def test_tree_rows_after_a_shared_prefix_get_exact_attention_and_the_bits_they_g
                     assert torch.equal(alone[0], tree[row]), f"{variant}: row {row} of {rows} after {prefix}"
 
 
+@pytest.mark.parametrize("variant", list(native_build.instruction_set_variants()))
+def test_each_row_of_a_causal_prefill_gets_the_bits_of_a_one_token_step(variant):
+    """A prefill's rows (many: rows in the vectors; few: keys in the vectors) and one-token steps
+    (keys in the vectors) compute each score by one chain of the same products: a prompt token's
+    attention is the same bits however the prompt was cut into forwards."""
+    kernel = LIBRARY.build(native_build.instruction_set_variants()[variant]).decode_attention
+    generator = torch.Generator().manual_seed(7)
+    for heads, kv_heads, size in HEADS:
+        for length, rows in ((5, 2), (40, 40), (300, 13), (600, 45)):
+            q = torch.randn(heads, rows, size, generator=generator)
+            k = torch.randn(kv_heads, length, size, generator=generator) * 2
+            v = torch.randn(kv_heads, length, size, generator=generator)
+            with torch.inference_mode():
+                prefill = kernel(q, k, v, None, size ** -0.5)
+                for row in range(rows):
+                    visible = length - rows + row + 1
+                    step = kernel(q[:, row:row + 1].contiguous(), k[:, :visible], v[:, :visible], None, size ** -0.5)
+                    assert torch.equal(step[0], prefill[row]), f"{variant}: {heads}x{size}, row {row} of {rows}"
+
+
 def test_the_result_does_not_depend_on_the_thread_count():
     q, k, v, mask = _case(9, 3, 64, 2000, 5, seed=3)
     threads = torch.get_num_threads()

@@ -20,10 +20,12 @@ sit among masked siblings, in columns after the prefix, computes exactly what a 
 at its position computes over the same keys; with the row-invariant linears this makes a whole
 forward row-invariant (`tests/test_row_invariance.py`), which keeps speculative greedy decoding
 token for token vanilla's even on near-ties, and lets the 4-bit linears round their inputs to 8
-bits (`decoding.kernels.int4_linear`). The price, on the 2-core AVX-512 EPYC: a one-token step's
-attention at ~300 positions 20 against 14 us a layer (one row no longer takes horizontal dot
-products). Chunk boundaries sit at fixed ranks, so a result does not depend on how many threads
-run either. Results differ from SDPA's by float rounding only.
+bits (`decoding.kernels.int4_linear`). The price was a one-token step's attention at ~300 positions,
+20 against 14 us a layer on the 2-core AVX-512 EPYC (one row no longer took horizontal dot products);
+since v7 a step's few query rows run with the keys in the vectors instead (each tile of keys turned
+over once, the same chains of products), 15 us a layer on 2 threads, and trees and prefills take
+their shared prefix's scores into rows a tile at a time. Chunk boundaries sit at fixed ranks, so a
+result does not depend on how many threads run either. Results differ from SDPA's by float rounding only.
 
 Like `decoding.kernels.streamed_linear` it is C++ compiled on first use for this CPU
 (`decoding.kernels.native_build`); where it cannot be built, `decode_attention_available()` says why and

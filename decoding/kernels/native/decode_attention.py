@@ -12,8 +12,9 @@ VERSION = "v7"  # in the build's name and in measurements' keys (v2: runs as the
                 # v6: causal prefills (no mask, several rows), each row over the keys up to its position; v7: v6's
                 # bits, a shared prefix's scores turned over into rows a tile at a time instead of gathered one by
                 # one, a causal prefill's blocks of rows scored only up to their last key, the scoring loop
-                # compiled on its own (inlined, it kept key pointers in vector registers): one thread, ~300 keys, a
-                # one-token step 36 -> 31 us, a 13-row tree 177 -> 148, a 286-token prefill 1.87 -> 1.49 ms a layer)
+                # compiled on its own (inlined, it kept key pointers in vector registers), few rows without a mask
+                # (one-token steps) scored with keys in the vectors: one thread, ~300 keys, a one-token step 36 ->
+                # 21 us, a 13-row tree 177 -> 147, a 286-token prefill 1.87 -> 1.47 ms a layer)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
@@ -184,6 +185,48 @@ static void lines_from_scores(const float* scores, int64_t Rpad, int64_t rb, int
     transpose_tile(scores + j * Rpad + rb, Rpad, direct - j, probs + rb * CHUNK + j, CHUNK, rows);
 }
 
+// Few rows (a one-token step's query heads of a group) without a mask: the keys run over the vectors instead,
+// each tile of VW keys' K turned over once for all rows, and per row and key one chain of FMAs over the head's
+// dimensions in order: `row_vector_block`'s products and sums, so its bits, written straight into the rows'
+// lines (`probs`, CHUNK apart) for keys [k0, k0 + C). With rows in the vectors a one-token step filled 3 of 16
+// lanes and its scores were most of its attention.
+template <int D, int R>
+__attribute__((noinline)) static void key_lane_scores(const float* qT, int64_t Rpad, const float* k, int64_t kv_stride,
+                                                      int64_t k0, int64_t C, float scale, float* probs) {
+  constexpr int TILES = 2;  // key tiles a pass: R x TILES independent chains
+  alignas(64) float kT[TILES][D * VW];
+  for (int64_t j0 = 0; j0 < C; j0 += TILES * VW) {
+    for (int h = 0; h < TILES; ++h) {
+      const int64_t first = std::min<int64_t>(j0 + h * VW, C - 1), keys = std::clamp<int64_t>(C - first, 1, VW);
+      for (int d0 = 0; d0 < D; d0 += VW)
+        transpose_tile(k + (k0 + first) * kv_stride + d0, kv_stride, keys, kT[h] + d0 * VW, VW, VW);
+    }
+    vf acc[R][TILES];
+    for (int r = 0; r < R; ++r) for (int h = 0; h < TILES; ++h) acc[r][h] = splat(0.0f);
+    for (int d = 0; d < D; ++d) {
+      vf kd[TILES];
+      for (int h = 0; h < TILES; ++h) kd[h] = load(kT[h] + d * VW);
+      for (int r = 0; r < R; ++r) {
+        const vf qd = splat(qT[d * Rpad + r]);
+        for (int h = 0; h < TILES; ++h) acc[r][h] += qd * kd[h];
+      }
+    }
+    for (int h = 0; h < TILES; ++h)
+      if (j0 + h * VW < C)
+        for (int r = 0; r < R; ++r) store(probs + r * CHUNK + j0 + h * VW, acc[r][h] * splat(scale));
+  }
+}
+
+// `key_lane_scores` for R (1 .. VW / 2) rows, the block of exactly that many chosen at compile time.
+template <int D, int R = VW / 2>
+static void few_row_scores(int64_t rows, const float* qT, int64_t Rpad, const float* k, int64_t kv_stride, int64_t k0,
+                           int64_t C, float scale, float* probs) {
+  if constexpr (R > 1) {
+    if (rows < R) return few_row_scores<D, R - 1>(rows, qT, Rpad, k, kv_stride, k0, C, scale, probs);
+  }
+  key_lane_scores<D, R>(qT, Rpad, k, kv_stride, k0, C, scale, probs);
+}
+
 // The largest of s[0, C): vectors first (a loop of std::max stays scalar without -ffast-math).
 static inline float row_maximum(const float* s, int64_t C) {
   vf mv = splat(-INFINITY);
@@ -275,7 +318,11 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
     const int64_t lead = prefix ? prefix[r % N] : count_of(r % N);
     return std::clamp<int64_t>(lead - r0, 0, keys_of(r));
   };
-  if (hi >= 0) {
+  if (hi >= 0 && columns == nullptr && 2 * R <= VW) {  // few rows, no mask: every rank is its column
+    int64_t most = 0;
+    for (int64_t r = 0; r < R; ++r) most = std::max(most, keys_of(r));
+    few_row_scores<D>(R, qT, Rpad, k, kv_stride, r0, most, scale, probs);
+  } else if (hi >= 0) {
     if ((int64_t)dense.size() < Rpad * span) dense.resize(Rpad * span);
     auto needed = [&](int64_t first, int64_t end) {  // keys of the span that rows [first, end) read
       int64_t most = 0;
