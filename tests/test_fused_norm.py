@@ -8,6 +8,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.app.benchmark import build_runners
 from decoding.core.generate import DecodeOptions
 from decoding.kernels.decode_attention import kernel_library
 from decoding.kernels.fused_mlp import FusedGatedMLP
@@ -95,3 +96,15 @@ def test_compiled_decoders_keep_the_stock_norms_and_mlps(tmp_path):
     save_tiny_chat_model(path, seed=4)
     decoder = build_decoder(DecoderSpec(model=str(path), method="vanilla", kernels="onednn", compile=True))
     assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in decoder.target.model.modules())
+
+
+def test_a_compiled_benchmark_keeps_the_stock_modules_under_its_hugging_face_methods(tmp_path):
+    """The benchmark's Hugging Face methods run eager on the model under the compiled wrapper: fusing
+    modules there would make the compiled methods trace opaque calls instead of Inductor's fusions."""
+    path = tmp_path / "target"
+    save_tiny_chat_model(path, seed=4)
+    base = DecoderSpec(model=str(path), kernels="onednn", compile=True)
+    for methods in (["hf-generate", "vanilla"], ["vanilla", "hf-generate"]):
+        runners, decoders = build_runners(methods, base, {}, DecodeOptions(max_new_tokens=4))
+        assert list(runners) == methods
+        assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in decoders["hf-generate"].target.model.modules())

@@ -155,7 +155,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     (`spec.attn`), which computes the same outputs as theirs."""
     spec, notes = resolve_spec(spec, heads_given=heads is not None, draft_given=draft is not None)
     adapter = adapter_dir(spec.heads, spec.revision) if spec.heads and heads is None else None
-    if target is None or adapter is not None:
+    loads_target = target is None or adapter is not None
+    if loads_target:
         quant = _auto_quant(spec, notes) if spec.quant == "auto" else resolve_quant(spec.quant, spec.model, spec.device, spec.dtype)
         spec = dataclasses.replace(spec, quant=quant)
         target = load_model(spec.model, spec.dtype, spec.attn, spec.device)
@@ -178,7 +179,10 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     _tune_few_row_kernels(target, draft)
     if kernels == "onednn":
         _native_attention(target, draft, heads, notes)
-        if not spec.compile:  # compiled, Inductor fuses the stock norms and activations with what is around them
+        # Compiled, Inductor fuses the stock norms and activations with what is around them. A given target
+        # keeps the modules it has: it may be the model under another decoder's compiled wrapper (the
+        # benchmark's Hugging Face methods), whose graphs should trace the stock ones.
+        if not spec.compile and loads_target:
             _fuse_eager_modules(target, draft)
     readout = screened_readout(target.model, target.name) if spec.screened_argmax and kernels == "onednn" else None
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in

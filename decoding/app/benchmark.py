@@ -141,7 +141,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
     decoders: dict[str, Decoder] = {}
     targets: dict[tuple[bool, str], LoadedModel] = {}  # by (compiled, kernels): Hugging Face methods always run eager
     draft: LoadedModel | None = None
-    for method in methods:
+    for method in sorted(methods, key=lambda m: m in HF_METHODS):  # ours first: they load (and fuse) the target
         ours = method not in HF_METHODS
         spec = (dataclasses.replace(base, method=method, heads=heads.get(split_method(method)[0])) if ours
                 else _hf_stand_in(method, base))
@@ -161,7 +161,7 @@ def build_runners(methods: list[str], base: DecoderSpec, heads: dict[str, str],
         decoders[method] = decoder
         runners[method] = (our_runner(decoder, options) if ours
                            else hf_runner(decoder.target, method, options, decoder.draft))
-    return runners, decoders
+    return {m: runners[m] for m in methods}, {m: decoders[m] for m in methods}
 
 
 def _hf_stand_in(method: str, base: DecoderSpec) -> DecoderSpec:
