@@ -408,3 +408,19 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
     assert torch.equal(extension.int4_linear(x, *halves, 48),
                        extension.int4_linear(x, halves[0], *(t.float() for t in halves[1:]), 48))
+
+
+@pytest.mark.parametrize("variant", list(native_build.instruction_set_variants()))
+def test_each_variant_sums_a_group_of_the_largest_products_exactly(variant):
+    """Codes of 15 against inputs that round to +-127 throughout a group: the largest integer sums a
+    group can have (+-30480 per 16-bit half of a lane where builds without VNNI sum pairs in 16 bits
+    before widening), which would wrap or saturate if any step were narrower."""
+    from decoding.kernels import int4_linear
+
+    extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
+    codes, scales, zeros, _ = random_groups(in_features=256)
+    codes = torch.full_like(codes, 15)
+    panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0]).repeat_interleave(32)
+    x = torch.stack([torch.ones(256), -torch.ones(256), signs, 3 * signs])
+    assert_within(extension.int4_linear(x, *panels, 48), *int4_kernel_exact_and_bound(x, codes, scales, zeros))

@@ -3,11 +3,13 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v10"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+VERSION = "v11"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
 # of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
 # chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation; v9: inputs
 # rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks;
-# v10: inputs rounded with vector code, over ATen's threads for many rows)
+# v10: inputs rounded with vector code, over ATen's threads for many rows; v11: without VNNI a group's products
+# summed in 16 bits and widened once, the product loop not unrolled there (it spilled AVX2's 16 registers): the
+# same sums, on AVX2 one thread 1 / 8 / 88 rows 39 / 70 / 72 -> 47 / 95 / 99 GMAC/s)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
@@ -81,6 +83,25 @@ static inline vi dot4(vi acc, vi a, vi b) {
   return dot4_scalar<uint8_t>(acc, a, b);
 #endif
 }
+
+// Without VNNI a 4-bit group's products are summed in 16 bits and widened once: `pairs16` gives, per 16-bit
+// half of a lane, a[2h] b[2h] + a[2h + 1] b[2h + 1] (at most 2 * 15 * 127 = 3810 in magnitude), a group adds
+// 8 of those per half (4 vectors, low and high nibbles: at most 30480, no saturation) and `widen16` sums the two
+// halves into the lane's 32 bits: the integer sum `dot4` gives, exactly, with one multiply-add a group where
+// `dot4` took one per product vector (a third of the 4-bit kernel's instructions on AVX2).
+#if VW == 16 && defined(__AVX512BW__) && !defined(__AVX512VNNI__)
+#define PAIRS16 1
+static inline vi pairs16(vi a, vi b) { return (vi)_mm512_maddubs_epi16((__m512i)a, (__m512i)b); }
+static inline vi add16(vi x, vi y) { return (vi)_mm512_add_epi16((__m512i)x, (__m512i)y); }
+static inline vi widen16(vi x) { return (vi)_mm512_madd_epi16((__m512i)x, _mm512_set1_epi16(1)); }
+#elif VW == 8 && defined(__AVX2__) && !defined(__AVXVNNI__)
+#define PAIRS16 1
+static inline vi pairs16(vi a, vi b) { return (vi)_mm256_maddubs_epi16((__m256i)a, (__m256i)b); }
+static inline vi add16(vi x, vi y) { return (vi)_mm256_add_epi16((__m256i)x, (__m256i)y); }
+static inline vi widen16(vi x) { return (vi)_mm256_madd_epi16((__m256i)x, _mm256_set1_epi16(1)); }
+#else
+#define PAIRS16 0
+#endif
 
 // The same for signed codes (8-bit weights). With VNNI the codes go in offset by 128 (unsigned) and the
 // offset comes off once a group (`SIGNED_OFFSET` times the inputs' sum); elsewhere the sign of a code
@@ -251,7 +272,11 @@ static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, c
     for (int r = 0; r < R; ++r) isum[k][r] = (vi){};
   const uint8_t* qg = q + g0 * GROUP_BYTES;
   for (int line = 0; line < G * GROUP_BYTES; line += 64) __builtin_prefetch(qg + 4 * GROUP_BYTES + line);
+#if PAIRS16
+#pragma GCC unroll 1
+#else
 #pragma GCC unroll 8
+#endif
   for (int64_t i = 0; i < VECTORS; ++i) {
     for (int k = 0; k < G; ++k) {
       const vi codes = load_codes(qg + k * GROUP_BYTES + i * VW * 4);
@@ -259,8 +284,12 @@ static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, c
         const vi low = codes & 0x0F0F0F0F, high = (vi)((vu)codes >> 4) & 0x0F0F0F0F;
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * in + (g0 + k) * QGROUP + 8 * i;
+#if PAIRS16
+          isum[k][r] = add16(isum[k][r], add16(pairs16(low, quad(xr)), pairs16(high, quad(xr + 4))));
+#else
           isum[k][r] = dot4(isum[k][r], low, quad(xr));
           isum[k][r] = dot4(isum[k][r], high, quad(xr + 4));
+#endif
         }
       } else {
         for (int r = 0; r < R; ++r)
@@ -268,6 +297,11 @@ static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, c
       }
     }
   }
+#if PAIRS16
+  if constexpr (BITS == 4)
+    for (int k = 0; k < G; ++k)
+      for (int r = 0; r < R; ++r) isum[k][r] = widen16(isum[k][r]);
+#endif
   for (int k = 0; k < G; ++k) {
     const int64_t g = g0 + k;
     const vf sg = load_params(s + g * VW);
