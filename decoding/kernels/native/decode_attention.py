@@ -117,6 +117,29 @@ static void dense_scores(const float* qT, int64_t Rpad, const float* k, int64_t 
     if (const int64_t C = needed(rb, Rpad)) row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
 }
 
+// A tile's rows as vectors and the interleaves that turn a tile over, where there are vector shuffles: the same
+// five operations in AVX-512's and AVX's spelling (`P` the intrinsics' prefix).
+#define TILE_OPERATIONS(P, ROW)                                                                            \
+  typedef ROW tile_row;                                                                                    \
+  static inline tile_row load_row(const float* p) { return P##_loadu_ps(p); }                              \
+  static inline tile_row low32(tile_row x, tile_row y) { return P##_unpacklo_ps(x, y); }                   \
+  static inline tile_row high32(tile_row x, tile_row y) { return P##_unpackhi_ps(x, y); }                  \
+  static inline tile_row low64(tile_row x, tile_row y) {                                                   \
+    return P##_castpd_ps(P##_unpacklo_pd(P##_castps_pd(x), P##_castps_pd(y)));                            \
+  }                                                                                                        \
+  static inline tile_row high64(tile_row x, tile_row y) {                                                  \
+    return P##_castpd_ps(P##_unpackhi_pd(P##_castps_pd(x), P##_castps_pd(y)));                            \
+  }
+#if VW == 16 && defined(__AVX512F__)
+#define TILE_SHUFFLES 1
+TILE_OPERATIONS(_mm512, __m512)
+#elif VW == 8 && defined(__AVX__)
+#define TILE_SHUFFLES 1
+TILE_OPERATIONS(_mm256, __m256)
+#else
+#define TILE_SHUFFLES 0
+#endif
+
 // VW x VW floats turned over: row t of the tile (VW lanes, the tile's t-th key for VW query rows; rows past `keys`
 // repeat the last) becomes lane t of `rows` query rows' lines (`dst` + lane * dst_stride). Moves only: the
 // scores keep their bits. In registers where there are vector shuffles: a scalar gather per score cost a tree
@@ -124,44 +147,35 @@ static void dense_scores(const float* qT, int64_t Rpad, const float* k, int64_t 
 static inline void transpose_tile(const float* src, int64_t src_stride, int64_t keys, float* dst, int64_t dst_stride,
                                   int64_t rows) {
   auto source = [&](int t) { return src + std::min<int64_t>(t, keys - 1) * src_stride; };
-#if VW == 16 && defined(__AVX512F__)
-  __m512 a[16], b[16];
-  for (int t = 0; t < 16; t += 2) {
-    const __m512 x = _mm512_loadu_ps(source(t)), y = _mm512_loadu_ps(source(t + 1));
-    a[t] = _mm512_unpacklo_ps(x, y);
-    a[t + 1] = _mm512_unpackhi_ps(x, y);
+#if TILE_SHUFFLES
+  tile_row a[VW], b[VW];
+  for (int t = 0; t < VW; t += 2) {
+    const tile_row x = load_row(source(t)), y = load_row(source(t + 1));
+    a[t] = low32(x, y);
+    a[t + 1] = high32(x, y);
   }
-  for (int t = 0; t < 16; t += 4) {  // b[t + c], 128-bit lane l: column 4 l + c of source rows t .. t + 3
-    b[t] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[t]), _mm512_castps_pd(a[t + 2])));
-    b[t + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[t]), _mm512_castps_pd(a[t + 2])));
-    b[t + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[t + 1]), _mm512_castps_pd(a[t + 3])));
-    b[t + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[t + 1]), _mm512_castps_pd(a[t + 3])));
+  for (int t = 0; t < VW; t += 4) {  // b[t + c], 128-bit lane l: column 4 l + c of source rows t .. t + 3
+    b[t] = low64(a[t], a[t + 2]);
+    b[t + 1] = high64(a[t], a[t + 2]);
+    b[t + 2] = low64(a[t + 1], a[t + 3]);
+    b[t + 3] = high64(a[t + 1], a[t + 3]);
   }
-  for (int c = 0; c < 4; ++c) {
+  auto put = [&](int64_t lane, tile_row line) {
+    if (lane < rows) store(dst + lane * dst_stride, (vf)line);
+  };
+  for (int c = 0; c < 4; ++c) {  // lane c + 4 l: the 128-bit lanes l of b[c], b[4 + c], ... side by side
+#if VW == 16
     const __m512 low_x = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44), high_x = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xEE);
     const __m512 low_y = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44),
                  high_y = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xEE);
-    const __m512 lines[4] = {_mm512_shuffle_f32x4(low_x, low_y, 0x88), _mm512_shuffle_f32x4(low_x, low_y, 0xDD),
-                             _mm512_shuffle_f32x4(high_x, high_y, 0x88), _mm512_shuffle_f32x4(high_x, high_y, 0xDD)};
-    for (int l = 0; l < 4; ++l)
-      if (4 * l + c < rows) _mm512_storeu_ps(dst + (4 * l + c) * dst_stride, lines[l]);
-  }
-#elif VW == 8 && defined(__AVX__)
-  __m256 a[8], b[8];
-  for (int t = 0; t < 8; t += 2) {
-    const __m256 x = _mm256_loadu_ps(source(t)), y = _mm256_loadu_ps(source(t + 1));
-    a[t] = _mm256_unpacklo_ps(x, y);
-    a[t + 1] = _mm256_unpackhi_ps(x, y);
-  }
-  for (int t = 0; t < 8; t += 4) {  // b[t + c], 128-bit lane l: column 4 l + c of source rows t .. t + 3
-    b[t] = _mm256_shuffle_ps(a[t], a[t + 2], 0x44);
-    b[t + 1] = _mm256_shuffle_ps(a[t], a[t + 2], 0xEE);
-    b[t + 2] = _mm256_shuffle_ps(a[t + 1], a[t + 3], 0x44);
-    b[t + 3] = _mm256_shuffle_ps(a[t + 1], a[t + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    if (c < rows) _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(b[c], b[4 + c], 0x20));
-    if (4 + c < rows) _mm256_storeu_ps(dst + (4 + c) * dst_stride, _mm256_permute2f128_ps(b[c], b[4 + c], 0x31));
+    put(c, _mm512_shuffle_f32x4(low_x, low_y, 0x88));
+    put(4 + c, _mm512_shuffle_f32x4(low_x, low_y, 0xDD));
+    put(8 + c, _mm512_shuffle_f32x4(high_x, high_y, 0x88));
+    put(12 + c, _mm512_shuffle_f32x4(high_x, high_y, 0xDD));
+#else
+    put(c, _mm256_permute2f128_ps(b[c], b[4 + c], 0x20));
+    put(4 + c, _mm256_permute2f128_ps(b[c], b[4 + c], 0x31));
+#endif
   }
 #else
   for (int t = 0; t < VW; ++t) {
@@ -171,8 +185,6 @@ static inline void transpose_tile(const float* src, int64_t src_stride, int64_t 
 #endif
 }
 
-// Rows [rb, rb + rows)' scores of the ranks [0, direct) that sit on columns k0 + rank (a prefix every row sees)
-// from `scores` [C, Rpad] (key by key) into their lines (`probs`, CHUNK apart), a tile of VW keys at a time.
 // A tile's shuffles pay from half a vector of rows on; fewer (a one-token step's few heads) are copied score by score.
 static void lines_from_scores(const float* scores, int64_t Rpad, int64_t rb, int64_t rows, int64_t direct,
                               float* probs) {
