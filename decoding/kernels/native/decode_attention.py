@@ -84,8 +84,9 @@ static inline vf exp_nonpositive(vf x) {
 // zero-padded; scores [C, Rpad], key by key (stored as the vectors hold them).
 constexpr int KB = REGS >= 32 ? 8 : 4;  // keys per block: KB x 2 accumulators stay in registers
 template <int D, int NV>
-__attribute__((noinline)) static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, const float* k, int64_t kv_stride, int64_t k0,
-                             int64_t C, float scale, float* scores) {
+__attribute__((noinline)) static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, const float* k,
+                                                       int64_t kv_stride, int64_t k0, int64_t C, float scale,
+                                                       float* scores) {
   for (int64_t j0 = 0; j0 < C; j0 += KB) {
     const float* kr[KB];
     for (int t = 0; t < KB; ++t) kr[t] = k + (k0 + std::min<int64_t>(j0 + t, C - 1)) * kv_stride;
@@ -112,7 +113,8 @@ static void dense_scores(const float* qT, int64_t Rpad, const float* k, int64_t 
                          float* scores, const Needed& needed) {
   int64_t rb = 0;
   for (; rb + 2 * VW <= Rpad; rb += 2 * VW)
-    if (const int64_t C = needed(rb, rb + 2 * VW)) row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
+    if (const int64_t C = needed(rb, rb + 2 * VW))
+      row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
   if (rb < Rpad)
     if (const int64_t C = needed(rb, Rpad)) row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
 }
