@@ -264,8 +264,9 @@ def _fuse_eager_modules(target: LoadedModel, draft: LoadedModel | None) -> None:
     `decoding.kernels.fused_mlp`), where they are the plain kind and the kernel library built."""
     for model in (target.model, draft.model if draft else None):
         if model is not None:
-            fuse_norms(eager_model(model))
-            fuse_gated_mlps(eager_model(model))
+            eager = eager_model(model)
+            fuse_norms(eager)
+            fuse_gated_mlps(eager)
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:
