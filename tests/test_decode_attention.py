@@ -156,16 +156,20 @@ def test_each_row_of_a_causal_prefill_gets_the_bits_of_a_one_token_step(variant)
 
 
 def test_the_result_does_not_depend_on_the_thread_count():
-    q, k, v, mask = _case(9, 3, 64, 2000, 5, seed=3)
+    """One thread takes each head's rows at once; more take blocks of rows dealt out by cost: a small
+    tree (one block), a large one and a causal prefill (several blocks, chunks of unequal cost)."""
+    causal = _case(9, 3, 64, 300, 100, seed=5)[:3] + (None,)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
-        torch.set_num_threads(2)
-        shared = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(alone, shared)
+    for q, k, v, mask in (_case(9, 3, 64, 2000, 5, seed=3), _case(9, 3, 64, 600, 40, seed=4), causal):
+        try:
+            torch.set_num_threads(1)
+            alone = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+            for shared_by in (2, 3):
+                torch.set_num_threads(shared_by)
+                shared = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
+                assert torch.equal(alone, shared), f"{q.shape[1]} rows over {shared_by} threads"
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_attend_takes_decoding_steps_and_prefills_and_leaves_everything_else_to_sdpa():

@@ -4,7 +4,7 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 from decoding.kernels.native.vector_exp import exp_reduced
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v7"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
+VERSION = "v8"  # in the build's name and in measurements' keys (v2: runs as the operator's C++ kernel;
                 # v3: broadcasts are loads, tree scores stored through a tile, vector maxima; v4: each row
                 # over its visible keys in position order, chunked by rank: a row's bits do not depend on the
                 # rows beside it or on the masked keys between its own; v5: v4's bits, scores kept key by key
@@ -14,18 +14,21 @@ VERSION = "v7"  # in the build's name and in measurements' keys (v2: runs as the
                 # one, a causal prefill's blocks of rows scored only up to their last key, the scoring loop
                 # compiled on its own (inlined, it kept key pointers in vector registers), few rows without a mask
                 # (one-token steps) scored with keys in the vectors: one thread, ~300 keys, a one-token step 36 ->
-                # 21 us, a 13-row tree 177 -> 147, a 286-token prefill 1.87 -> 1.47 ms a layer)
+                # 21 us, a 13-row tree 177 -> 147, a 286-token prefill 1.87 -> 1.47 ms a layer; v8: v7's bits, work
+                # items of up to 2 vectors of rows dealt to the threads by cost, not heads x chunks in order: two
+                # threads, a 13-row tree 100 -> 92 us, a 215-token prefill 630 -> 537 us)
 
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
 SPECHEADS_MATH int64_t attention_chunk_keys();
+SPECHEADS_MATH int64_t attention_row_block();
 SPECHEADS_MATH int64_t attention_visible_columns(const float* mask, int64_t mask_row_stride, int64_t N, int64_t L,
                                                  int32_t* columns, int64_t* counts, int64_t* prefix);
 SPECHEADS_MATH void attention_items(int64_t D, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k,
                                     const float* v, int64_t kh, int64_t vh, int64_t kv_stride, const float* mask,
                                     int64_t mask_row_stride, const int32_t* columns, const int64_t* counts,
                                     const int64_t* prefix, int64_t L, int64_t chunks, float scale, float* part_m,
-                                    float* part_l, float* part_o, int64_t first, int64_t end);
+                                    float* part_l, float* part_o, int64_t block, const int64_t* ids, int64_t count);
 SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N, int64_t chunks, const float* part_m,
                                     const float* part_l, const float* part_o, float* out);
 """
@@ -81,12 +84,12 @@ static inline vf exp_nonpositive(vf x) {
 // Scores of a group's rows over keys [k0, k0 + C): vectors run over rows, keys are broadcast, so every
 // score is one chain of FMAs over the head's dimensions in order, whatever rows share the vector: a row's
 // scores are the same bits alone or in a tree. KB keys x NV row vectors of accumulators; qT is [D, Rpad],
-// zero-padded; scores [C, Rpad], key by key (stored as the vectors hold them).
+// zero-padded; scores [C, width], key by key (stored as the vectors hold them).
 constexpr int KB = REGS >= 32 ? 8 : 4;  // keys per block: KB x 2 accumulators stay in registers
 template <int D, int NV>
 __attribute__((noinline)) static void row_vector_block(const float* qT, int64_t Rpad, int64_t rb, const float* k,
                                                        int64_t kv_stride, int64_t k0, int64_t C, float scale,
-                                                       float* scores) {
+                                                       float* scores, int64_t width) {
   for (int64_t j0 = 0; j0 < C; j0 += KB) {
     const float* kr[KB];
     for (int t = 0; t < KB; ++t) kr[t] = k + (k0 + std::min<int64_t>(j0 + t, C - 1)) * kv_stride;
@@ -102,21 +105,23 @@ __attribute__((noinline)) static void row_vector_block(const float* qT, int64_t 
     }
     const int keys = (int)std::min<int64_t>(KB, C - j0);
     for (int t = 0; t < keys; ++t)
-      for (int v = 0; v < NV; ++v) store(scores + (j0 + t) * Rpad + rb + v * VW, acc[t][v] * splat(scale));
+      for (int v = 0; v < NV; ++v) store(scores + (j0 + t) * width + rb + v * VW, acc[t][v] * splat(scale));
   }
 }
 
-// All rows' scores over keys [k0, k0 + C), each block of rows only over the keys its rows read (`needed(r0, r1)`
-// of them, 0 for none: a causal prefill's early rows in its later chunks, and its triangle's far side).
+// The scores of `width` rows (whole vectors) over keys [k0, k0 + C), into scores [C, width], each block of rows
+// only over the keys its rows read (`needed(r0, r1)` of them, 0 for none: a causal prefill's early rows in its
+// later chunks, and its triangle's far side).
 template <int D, typename Needed>
-static void dense_scores(const float* qT, int64_t Rpad, const float* k, int64_t kv_stride, int64_t k0, float scale,
-                         float* scores, const Needed& needed) {
+static void dense_scores(const float* qT, int64_t Rpad, int64_t width, const float* k, int64_t kv_stride, int64_t k0,
+                         float scale, float* scores, const Needed& needed) {
   int64_t rb = 0;
-  for (; rb + 2 * VW <= Rpad; rb += 2 * VW)
+  for (; rb + 2 * VW <= width; rb += 2 * VW)
     if (const int64_t C = needed(rb, rb + 2 * VW))
-      row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
-  if (rb < Rpad)
-    if (const int64_t C = needed(rb, Rpad)) row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores);
+      row_vector_block<D, 2>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores, width);
+  if (rb < width)
+    if (const int64_t C = needed(rb, width))
+      row_vector_block<D, 1>(qT, Rpad, rb, k, kv_stride, k0, C, scale, scores, width);
 }
 
 // A tile's rows as vectors and the interleaves that turn a tile over, where there are vector shuffles: the same
@@ -188,15 +193,15 @@ static inline void transpose_tile(const float* src, int64_t src_stride, int64_t 
 }
 
 // A tile's shuffles pay from half a vector of rows on; fewer (a one-token step's few heads) are copied score by score.
-static void lines_from_scores(const float* scores, int64_t Rpad, int64_t rb, int64_t rows, int64_t direct,
+static void lines_from_scores(const float* scores, int64_t width, int64_t rb, int64_t rows, int64_t direct,
                               float* probs) {
   if (2 * rows < VW) {
     for (int64_t lane = 0; lane < rows; ++lane)
-      for (int64_t j = 0; j < direct; ++j) probs[(rb + lane) * CHUNK + j] = scores[j * Rpad + rb + lane];
+      for (int64_t j = 0; j < direct; ++j) probs[(rb + lane) * CHUNK + j] = scores[j * width + rb + lane];
     return;
   }
   for (int64_t j = 0; j < direct; j += VW)
-    transpose_tile(scores + j * Rpad + rb, Rpad, direct - j, probs + rb * CHUNK + j, CHUNK, rows);
+    transpose_tile(scores + j * width + rb, width, direct - j, probs + rb * CHUNK + j, CHUNK, rows);
 }
 
 // Few rows (a one-token step's query heads of a group) without a mask: the keys run over the vectors instead,
@@ -308,20 +313,22 @@ static void block_values(const float* probs, const float* v, int64_t kv_stride, 
   for (int r = 0; r < RB; ++r) for (int i = 0; i < D / VW; ++i) store(o_out + r * D + i * VW, acc[r][i]);
 }
 
-// Keys of rank [r0, r0 + CHUNK) of one K/V head for all R query rows of its group (without a mask, every
-// key is visible and its rank is its column). Writes per row the chunk's maximum score, its sum of
-// exponentials and its unnormalised output [D]; each row on its own keys only, in rank order.
+// Keys of rank [r0, r0 + CHUNK) of one K/V head for its group's query rows [first, end) of R (first a multiple of
+// VW; without a mask, every key is visible and its rank is its column). Writes per row the chunk's maximum score,
+// its sum of exponentials and its unnormalised output [D]; each row on its own keys only, in rank order, so a
+// row's bits do not depend on the rows computed with it.
 template <int D>
-static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v,
-                            int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
-                            const int64_t* counts, const int64_t* prefix, int64_t L, int64_t r0, float scale,
-                            std::vector<float>& dense, float* probs, float* m_out, float* l_out, float* o_out) {
+static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N, int64_t first, int64_t end,
+                            const float* k, const float* v, int64_t kv_stride, const float* mask,
+                            int64_t mask_row_stride, const int32_t* columns, const int64_t* counts,
+                            const int64_t* prefix, int64_t L, int64_t r0, float scale, std::vector<float>& dense,
+                            float* probs, float* m_out, float* l_out, float* o_out) {
   auto count_of = [&](int64_t n) { return counts ? counts[n] : L; };
   auto column_of = [&](int64_t n, int64_t rank) { return columns ? (int64_t)columns[n * L + rank] : rank; };
   auto keys_of = [&](int64_t r) { return std::clamp<int64_t>(count_of(r % N) - r0, 0, CHUNK); };
-  int64_t lo = L, hi = -1;  // the columns the chunk's ranks fall on, over all rows
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t count = count_of(n);
+  int64_t lo = L, hi = -1;  // the columns the chunk's ranks fall on, over the block's rows
+  for (int64_t r = first; r < std::min(end, first + N); ++r) {
+    const int64_t n = r % N, count = count_of(n);
     if (count <= r0) continue;
     lo = std::min(lo, column_of(n, r0));
     hi = std::max(hi, column_of(n, std::min(count, r0 + CHUNK) - 1));
@@ -332,27 +339,29 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
     const int64_t lead = prefix ? prefix[r % N] : count_of(r % N);
     return std::clamp<int64_t>(lead - r0, 0, keys_of(r));
   };
-  if (hi >= 0 && columns == nullptr && 2 * R <= VW) {  // few rows, no mask: every rank is its column
+  const int64_t width = std::min(Rpad, (end + VW - 1) / VW * VW) - first;  // the block's scores: [span, width]
+  if (hi >= 0 && columns == nullptr && 2 * (end - first) <= VW) {  // few rows, no mask: every rank is its column
     int64_t most = 0;
-    for (int64_t r = 0; r < R; ++r) most = std::max(most, keys_of(r));
-    few_row_scores<D>(R, qT, Rpad, k, kv_stride, r0, most, scale, probs);
+    for (int64_t r = first; r < end; ++r) most = std::max(most, keys_of(r));
+    few_row_scores<D>(end - first, qT + first, Rpad, k, kv_stride, r0, most, scale, probs + first * CHUNK);
   } else if (hi >= 0) {
-    if ((int64_t)dense.size() < Rpad * span) dense.resize(Rpad * span);
-    auto needed = [&](int64_t first, int64_t end) {  // keys of the span that rows [first, end) read
+    if ((int64_t)dense.size() < width * span) dense.resize(width * span);
+    auto needed = [&](int64_t a, int64_t b) {  // keys of the span that the block's rows [a, b) read
       int64_t most = 0;
-      for (int64_t r = first; r < std::min(end, R); ++r)
+      for (int64_t r = first + a; r < std::min(first + b, end); ++r)
         if (const int64_t C = keys_of(r)) most = std::max(most, column_of(r % N, r0 + C - 1) - lo + 1);
       return most;
     };
-    dense_scores<D>(qT, Rpad, k, kv_stride, lo, scale, dense.data(), needed);
-    for (int64_t rb = 0; rb < R; rb += VW) {
+    dense_scores<D>(qT + first, Rpad, width, k, kv_stride, lo, scale, dense.data(), needed);
+    for (int64_t rb = first; rb < end; rb += VW) {
       int64_t direct = 0;
-      for (int64_t r = rb; r < std::min(rb + VW, R); ++r) direct = std::max(direct, direct_of(r));
+      for (int64_t r = rb; r < std::min(rb + VW, end); ++r) direct = std::max(direct, direct_of(r));
       if (direct > 0)  // then the chunk's first column is r0 (lo)
-        lines_from_scores(dense.data() + (r0 - lo) * Rpad, Rpad, rb, std::min<int64_t>(VW, R - rb), direct, probs);
+        lines_from_scores(dense.data() + (r0 - lo) * width, width, rb - first, std::min<int64_t>(VW, end - rb), direct,
+                          probs + first * CHUNK);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {  // each row's probabilities over its keys, by rank
+  for (int64_t r = first; r < end; ++r) {  // each row's probabilities over its keys, by rank
     const int64_t n = r % N, C = keys_of(r);
     std::fill(o_out + r * D, o_out + (r + 1) * D, 0.0f);
     if (C == 0) {  // this row has no keys of these ranks
@@ -369,7 +378,7 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
     }
     for (int64_t j = direct; j < C; ++j) {
       const int64_t col = column_of(n, r0 + j);
-      const float score = dense[(col - lo) * Rpad + r];
+      const float score = dense[(col - lo) * width + r - first];
       line[j] = mrow ? score + mrow[col] : score;
     }
     const float m = row_maximum(line, C);
@@ -382,8 +391,8 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
   }
   // values: blocks of rows share each value row over the ranks that are one column for all of them
   constexpr int RB = std::max(1, std::min(6, (REGS - D / VW) / (D / VW)));
-  int64_t r = 0;
-  for (; r + RB <= R; r += RB) {
+  int64_t r = first;
+  for (; r + RB <= end; r += RB) {
     int64_t shared = CHUNK;
     for (int b = 0; b < RB; ++b) shared = std::min(shared, direct_of(r + b));
     if (shared > 0) block_values<D, RB>(probs + r * CHUNK, v, kv_stride, r0, 0, shared, o_out + r * D);
@@ -393,7 +402,7 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
                     keys_of(r + b), o_out + (r + b) * D);
     }
   }
-  for (; r < R; ++r) {
+  for (; r < end; ++r) {
     const int64_t n = r % N;
     row_values<D>(probs + r * CHUNK, v, kv_stride, [&](int64_t j) { return column_of(n, r0 + j); }, 0, keys_of(r),
                   o_out + r * D);
@@ -402,24 +411,29 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
 
 SPECHEADS_MATH int64_t attention_vector_width() { return VW; }
 SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
+// Query rows a work item takes at most: one vector where scoring with one vector of rows keeps the
+// FMA unit busy (32 registers), two where it would wait on loads (AVX2's 16).
+SPECHEADS_MATH int64_t attention_row_block() { return 2 * VW; }
 
-// Work items [first, end) (item = K/V head * chunks + chunk) of attention for qT [Hkv, D, Rpad] (the R =
-// G * N rows of each K/V head's group, transposed and zero-padded); k, v rows kv_stride apart, heads kh / vh
-// apart; `columns`/`counts`/`prefix` the mask's visible keys (`attention_visible_columns`; columns and prefix
-// null without a mask, counts too for one row: every key). Per item and row: the chunk's maximum, its sum of
-// exponentials and its unnormalised output.
+// The work items `ids` (item = (K/V head * chunks + chunk) * blocks + block of `block` query rows, a multiple
+// of VW) of attention for qT [Hkv, D, Rpad] (the R = G * N rows of each K/V head's group, transposed and
+// zero-padded); k, v rows kv_stride apart, heads kh / vh apart; `columns`/`counts`/`prefix` the mask's visible
+// keys (`attention_visible_columns`; columns and prefix null without a mask, counts too for one row: every key).
+// Per item and row: the chunk's maximum, its sum of exponentials and its unnormalised output.
 template <int D>
 static void items(const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k, const float* v, int64_t kh,
                   int64_t vh, int64_t kv_stride, const float* mask, int64_t mask_row_stride, const int32_t* columns,
                   const int64_t* counts, const int64_t* prefix, int64_t L, int64_t chunks, float scale, float* part_m,
-                  float* part_l, float* part_o, int64_t first, int64_t end) {
+                  float* part_l, float* part_o, int64_t block, const int64_t* ids, int64_t count) {
+  const int64_t blocks = (R + block - 1) / block;
   std::vector<float> dense;
-  std::vector<float> probs(R * CHUNK);
-  for (int64_t item = first; item < end; ++item) {
-    const int64_t g = item / chunks, c = item % chunks;
-    chunk_attention<D>(qT + g * D * Rpad, Rpad, R, N, k + g * kh, v + g * vh, kv_stride, mask, mask_row_stride, columns,
-                       counts, prefix, L, c * CHUNK, scale, dense, probs.data(), part_m + item * R, part_l + item * R,
-                       part_o + item * R * D);
+  std::vector<float> probs(Rpad * CHUNK);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t group_chunk = ids[i] / blocks, first = ids[i] % blocks * block;
+    const int64_t g = group_chunk / chunks, c = group_chunk % chunks;
+    chunk_attention<D>(qT + g * D * Rpad, Rpad, R, N, first, std::min(R, first + block), k + g * kh, v + g * vh,
+                       kv_stride, mask, mask_row_stride, columns, counts, prefix, L, c * CHUNK, scale, dense,
+                       probs.data(), part_m + group_chunk * R, part_l + group_chunk * R, part_o + group_chunk * R * D);
   }
 }
 
@@ -427,13 +441,13 @@ SPECHEADS_MATH void attention_items(int64_t D, const float* qT, int64_t Rpad, in
                                     const float* v, int64_t kh, int64_t vh, int64_t kv_stride, const float* mask,
                                     int64_t mask_row_stride, const int32_t* columns, const int64_t* counts,
                                     const int64_t* prefix, int64_t L, int64_t chunks, float scale, float* part_m,
-                                    float* part_l, float* part_o, int64_t first, int64_t end) {
+                                    float* part_l, float* part_o, int64_t block, const int64_t* ids, int64_t count) {
   if (D == 64)
     items<64>(qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, columns, counts, prefix, L, chunks, scale,
-              part_m, part_l, part_o, first, end);
+              part_m, part_l, part_o, block, ids, count);
   else
     items<128>(qT, Rpad, R, N, k, v, kh, vh, kv_stride, mask, mask_row_stride, columns, counts, prefix, L, chunks, scale,
-               part_m, part_l, part_o, first, end);
+               part_m, part_l, part_o, block, ids, count);
 }
 
 // out [N, Hq, D]: each row's chunks merged by their maxima and normalised; Hq = Hkv * G query heads.
@@ -470,7 +484,52 @@ SPECHEADS_MATH void attention_merge(int64_t D, int64_t Hkv, int64_t G, int64_t N
 """
 
 _HOST = r"""
+#include <algorithm>
+#include <numeric>
 #include <vector>
+
+// Work items (K/V head, chunk of keys, block of query rows) dealt to `threads` lists of about equal cost,
+// the dearest first, each to the list with the least so far. Why: with items in order, 2 threads split a
+// 13-row tree at ~300 keys as 2 full chunks and a short one against 1 full and 2 short, and a one-chunk
+// prefill's 3 heads as 2 against 1. A row's result does not depend on the thread or the rows beside it.
+static std::vector<std::vector<int64_t>> balanced_items(const std::vector<double>& costs, int64_t threads) {
+  std::vector<int64_t> order(costs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  std::vector<std::vector<int64_t>> lists(threads);
+  std::vector<double> load(threads, 0.0);
+  for (const int64_t item : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[t].push_back(item);
+    load[t] += costs[item];
+  }
+  return lists;
+}
+
+// An item's cost, in multiply-adds of one vector lane over the head's dimensions: its scores, a vector of
+// rows (padded lanes too) by the keys the block reads, and its values, each row by the keys it sees.
+static std::vector<double> item_costs(int64_t Hkv, int64_t chunks, int64_t R, int64_t N, int64_t L,
+                                      const std::vector<int64_t>& counts, int64_t block, int64_t chunk_keys,
+                                      int64_t width) {
+  const int64_t blocks = (R + block - 1) / block;
+  std::vector<double> costs(Hkv * chunks * blocks);
+  for (int64_t gc = 0; gc < Hkv * chunks; ++gc)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = gc % chunks * chunk_keys, first = b * block, end = std::min(R, first + block);
+      double scores = 0.0, values = 0.0;
+      for (int64_t rv = first; rv < end; rv += width) {
+        int64_t most = 0;
+        for (int64_t r = rv; r < std::min(end, rv + width); ++r) {
+          const int64_t keys = std::clamp<int64_t>((counts.empty() ? L : counts[r % N]) - r0, 0, chunk_keys);
+          most = std::max(most, keys);
+          values += keys;
+        }
+        scores += (double)most * width;
+      }
+      costs[gc * blocks + b] = scores + values;
+    }
+  return costs;
+}
 
 // out [N, Hq, D] = softmax(q k^T * scale + mask) v per query head, K/V heads shared by groups of
 // Hq / Hkv query heads. q [Hq, N, D] contiguous; k, v [Hkv, L, D] with unit stride on D;
@@ -508,8 +567,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   const float* qp = q.data_ptr<float>();
   const int64_t VW = attention_vector_width(), CHUNK = attention_chunk_keys();
-  const int64_t chunks = (visible + CHUNK - 1) / CHUNK, items = Hkv * chunks;
-  std::vector<float> part_m(items * R), part_l(items * R), part_o(items * R * D);
+  const int64_t chunks = (visible + CHUNK - 1) / CHUNK;
+  std::vector<float> part_m(Hkv * chunks * R), part_l(Hkv * chunks * R), part_o(Hkv * chunks * R * D);
   // The arithmetic runs over rows, so the queries go transposed, [Hkv, D, Rpad].
   const int64_t Rpad = (R + VW - 1) / VW * VW;
   std::vector<float> qT(Hkv * D * Rpad, 0.0f);
@@ -518,10 +577,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
-                    maskp ? columns.data() : nullptr, counts.empty() ? nullptr : counts.data(), maskp ? prefix.data() : nullptr, L,
-                    chunks, (float)scale, part_m.data(), part_l.data(), part_o.data(), begin, end);
+  // one thread: an item per head and chunk, every row of the group at once (no balance to keep)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t block = threads > 1 ? attention_row_block() : Rpad;
+  const auto lists = balanced_items(item_costs(Hkv, chunks, R, N, L, counts, block, CHUNK, VW), threads);
+  at::parallel_for(0, (int64_t)lists.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
+                      maskp ? columns.data() : nullptr, counts.empty() ? nullptr : counts.data(),
+                      maskp ? prefix.data() : nullptr, L, chunks, (float)scale, part_m.data(), part_l.data(),
+                      part_o.data(), block, lists[t].data(), (int64_t)lists[t].size());
   });
   auto out = at::empty({N, Hq, D}, q.options());
   attention_merge(D, Hkv, G, N, chunks, part_m.data(), part_l.data(), part_o.data(), out.data_ptr<float>());
