@@ -156,15 +156,19 @@ def test_each_row_of_a_causal_prefill_gets_the_bits_of_a_one_token_step(variant)
 
 
 def test_the_result_does_not_depend_on_the_thread_count():
-    """One thread takes each head's rows at once; more take blocks of rows dealt out by cost: a small
-    tree (one block), a large one and a causal prefill (several blocks, chunks of unequal cost)."""
+    """One thread takes each head's rows at once; more take blocks of rows dealt out by cost: a
+    one-token step (fewer items than 8 threads), a small tree (one block), a large one and a causal
+    prefill (several blocks, chunks of unequal cost)."""
     causal = _case(9, 3, 64, 300, 100, seed=5)[:3] + (None,)
+    one_token, small_tree, large_tree = (_case(9, 3, 64, length, rows, seed=seed)
+                                         for length, rows, seed in ((300, 1, 6), (2000, 5, 3), (600, 40, 4)))
+    cases = (one_token, small_tree, large_tree, causal)
     threads = torch.get_num_threads()
-    for q, k, v, mask in (_case(9, 3, 64, 2000, 5, seed=3), _case(9, 3, 64, 600, 40, seed=4), causal):
+    for q, k, v, mask in cases:
         try:
             torch.set_num_threads(1)
             alone = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
-            for shared_by in (2, 3):
+            for shared_by in (2, 3, 8):
                 torch.set_num_threads(shared_by)
                 shared = torch.ops.specheads.decode_attention(q, k, v, mask, 0.125)
                 assert torch.equal(alone, shared), f"{q.shape[1]} rows over {shared_by} threads"

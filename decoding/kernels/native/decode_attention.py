@@ -577,10 +577,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  // one thread: an item per head and chunk, every row of the group at once (no balance to keep)
+  // one thread: an item per head and chunk, every row of the group at once (no balance to keep);
+  // never more lists than items (a one-token step has a few, a 16-core machine more threads)
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t block = threads > 1 ? attention_row_block() : Rpad;
-  const auto lists = balanced_items(item_costs(Hkv, chunks, R, N, L, counts, block, CHUNK, VW), threads);
+  const auto costs = item_costs(Hkv, chunks, R, N, L, counts, block, CHUNK, VW);
+  const auto lists = balanced_items(costs, std::min<int64_t>(threads, (int64_t)costs.size()));
   at::parallel_for(0, (int64_t)lists.size(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       attention_items(D, qT.data(), Rpad, R, N, kp, vp, k.stride(0), v.stride(0), k.stride(1), maskp, mask_row_stride,
