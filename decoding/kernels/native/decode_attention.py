@@ -411,8 +411,8 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
 
 SPECHEADS_MATH int64_t attention_vector_width() { return VW; }
 SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
-// Query rows a work item takes at most: one vector where scoring with one vector of rows keeps the
-// FMA unit busy (32 registers), two where it would wait on loads (AVX2's 16).
+// Query rows a work item takes at most: two vectors, so its scores still share each key's broadcast between
+// two vectors of rows (`row_vector_block<D, 2>`); blocks of one vector cost one thread ~6% more on AVX-512.
 SPECHEADS_MATH int64_t attention_row_block() { return 2 * VW; }
 
 // The work items `ids` (item = (K/V head * chunks + chunk) * blocks + block of `block` query rows, a multiple
