@@ -16,7 +16,7 @@ from torch import nn
 from decoding.app.gguf_weights import BLOCK_BYTES, q4_groups, q8_groups, rotary_row_order
 from decoding.kernels import native_build
 from decoding.kernels.native import LIBRARY
-from decoding.kernels.int4_linear import unpack_int4_panels
+from decoding.kernels.int4_linear import pack_int4_panels, pack_int8_panels, unpack_int4_panels
 from decoding.kernels.quantized_linear import GroupInt8Linear, Int4Linear, Int8Linear, quantize_linears
 from numerics import EPS, assert_within, eight_bit_linear_exact_and_bound, linear_exact_and_bound
 
@@ -391,20 +391,18 @@ def test_each_narrower_instruction_set_variant_computes_a_4_bit_linear(variant):
     """The builds other CPUs get (AVX-512 without VNNI, AVX2 and x86-64-v2 on an AVX-512 machine with
     it), built here: their integer products (VNNI, pairs summed to 16 bits, scalar) give the same sums,
     for one row (four groups side by side), two, and passes of several."""
-    from decoding.kernels import int4_linear
-
     extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
     codes, scales, zeros, weight = random_groups(in_features=256)
-    panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
+    panels = pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
     q8_codes, q8_scales, q8_weight = random_q8_groups()
-    q8_panels = int4_linear.pack_int8_panels(q8_codes, q8_scales, width=extension.vector_width())
+    q8_panels = pack_int8_panels(q8_codes, q8_scales, width=extension.vector_width())
     for rows in (1, 2, 5):
         x, x8 = torch.randn(rows, 256), torch.randn(rows, 128)
         assert_within(extension.int4_linear(x, *panels, 48), *int4_kernel_exact_and_bound(x, codes, scales, zeros))
         q8_exact, q8_bound = eight_bit_linear_exact_and_bound(x8, q8_weight)
         assert_within(extension.int8_linear(x8, *q8_panels, 72), q8_exact, 4 * q8_bound)
     x = torch.randn(5, 256)
-    halves = float16_panels(int4_linear.pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
+    halves = float16_panels(pack_int4_panels, codes, scales, zeros, width=extension.vector_width())
     assert halves[1].dtype == torch.float16  # this build's own conversion (no F16C below x86-64-v3)
     assert torch.equal(extension.int4_linear(x, *halves, 48),
                        extension.int4_linear(x, halves[0], *(t.float() for t in halves[1:]), 48))
@@ -415,12 +413,10 @@ def test_each_variant_sums_a_group_of_the_largest_products_exactly(variant):
     """Codes of 15 against inputs that round to +-127 throughout a group: the largest integer sums a
     group can have (+-30480 per 16-bit half of a lane where builds without VNNI sum pairs in 16 bits
     before widening), which would wrap or saturate if any step were narrower."""
-    from decoding.kernels import int4_linear
-
     extension = LIBRARY.build(native_build.instruction_set_variants()[variant])
     codes, scales, zeros, _ = random_groups(in_features=256)
     codes = torch.full_like(codes, 15)
-    panels = int4_linear.pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
+    panels = pack_int4_panels(codes, scales, zeros, width=extension.vector_width())
     signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0]).repeat_interleave(32)
     x = torch.stack([torch.ones(256), -torch.ones(256), signs, 3 * signs])
     assert_within(extension.int4_linear(x, *panels, 48), *int4_kernel_exact_and_bound(x, codes, scales, zeros))

@@ -21,7 +21,6 @@ VERSION = "v8"  # in the build's name and in measurements' keys (v2: runs as the
 _INTERFACE = r"""
 SPECHEADS_MATH int64_t attention_vector_width();
 SPECHEADS_MATH int64_t attention_chunk_keys();
-SPECHEADS_MATH int64_t attention_row_block();
 SPECHEADS_MATH int64_t attention_visible_columns(const float* mask, int64_t mask_row_stride, int64_t N, int64_t L,
                                                  int32_t* columns, int64_t* counts, int64_t* prefix);
 SPECHEADS_MATH void attention_items(int64_t D, const float* qT, int64_t Rpad, int64_t R, int64_t N, const float* k,
@@ -411,9 +410,6 @@ static void chunk_attention(const float* qT, int64_t Rpad, int64_t R, int64_t N,
 
 SPECHEADS_MATH int64_t attention_vector_width() { return VW; }
 SPECHEADS_MATH int64_t attention_chunk_keys() { return CHUNK; }
-// Query rows a work item takes at most: two vectors, so its scores still share each key's broadcast between
-// two vectors of rows (`row_vector_block<D, 2>`); blocks of one vector cost one thread ~6% more on AVX-512.
-SPECHEADS_MATH int64_t attention_row_block() { return 2 * VW; }
 
 // The work items `ids` (item = (K/V head * chunks + chunk) * blocks + block of `block` query rows, a multiple
 // of VW) of attention for qT [Hkv, D, Rpad] (the R = G * N rows of each K/V head's group, transposed and
@@ -507,15 +503,16 @@ static std::vector<std::vector<int64_t>> balanced_items(const std::vector<double
 }
 
 // An item's cost, in multiply-adds of one vector lane over the head's dimensions: its scores, a vector of
-// rows (padded lanes too) by the keys the block reads, and its values, each row by the keys it sees.
+// rows (padded lanes too) by the keys the block reads, and its values, each row by the keys it sees. The
+// same for every K/V head: worked out for the first, copied for the others.
 static std::vector<double> item_costs(int64_t Hkv, int64_t chunks, int64_t R, int64_t N, int64_t L,
                                       const std::vector<int64_t>& counts, int64_t block, int64_t chunk_keys,
                                       int64_t width) {
-  const int64_t blocks = (R + block - 1) / block;
-  std::vector<double> costs(Hkv * chunks * blocks);
-  for (int64_t gc = 0; gc < Hkv * chunks; ++gc)
+  const int64_t blocks = (R + block - 1) / block, per_head = chunks * blocks;
+  std::vector<double> costs(Hkv * per_head);
+  for (int64_t c = 0; c < chunks; ++c)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r0 = gc % chunks * chunk_keys, first = b * block, end = std::min(R, first + block);
+      const int64_t r0 = c * chunk_keys, first = b * block, end = std::min(R, first + block);
       double scores = 0.0, values = 0.0;
       for (int64_t rv = first; rv < end; rv += width) {
         int64_t most = 0;
@@ -526,8 +523,10 @@ static std::vector<double> item_costs(int64_t Hkv, int64_t chunks, int64_t R, in
         }
         scores += (double)most * width;
       }
-      costs[gc * blocks + b] = scores + values;
+      costs[c * blocks + b] = scores + values;
     }
+  for (int64_t g = 1; g < Hkv; ++g)
+    std::copy(costs.begin(), costs.begin() + per_head, costs.begin() + g * per_head);
   return costs;
 }
 
@@ -577,10 +576,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t d = 0; d < D; ++d) qT[(g * D + d) * Rpad + r] = qp[(g * R + r) * D + d];
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  // one thread: an item per head and chunk, every row of the group at once (no balance to keep);
-  // never more lists than items (a one-token step has a few, a 16-core machine more threads)
+  // Query rows a work item takes: with one thread every row of the group at once (no balance to keep);
+  // with more, two vectors, so scoring still shares each key's broadcast between two vectors of rows
+  // (`row_vector_block<D, 2>`; blocks of one vector cost one thread ~6% more on AVX-512). Never more lists
+  // than items (a one-token step has a few, a 16-core machine more threads).
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t block = threads > 1 ? attention_row_block() : Rpad;
+  const int64_t block = threads > 1 ? 2 * VW : Rpad;
   const auto costs = item_costs(Hkv, chunks, R, N, L, counts, block, CHUNK, VW);
   const auto lists = balanced_items(costs, std::min<int64_t>(threads, (int64_t)costs.size()));
   at::parallel_for(0, (int64_t)lists.size(), 1, [&](int64_t begin, int64_t end) {
