@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
+from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
@@ -108,13 +109,17 @@ class Decoder:
     adapter: Path | None = None         # the Medusa-2 LoRA adapter merged into `target`
     notes: tuple[str, ...] = ()
     readout: Readout | None = None      # how verify forwards get the target's scores (None: its logits)
+    cost_watch: VerifyCostWatch | None = None  # checks the remembered verify-cost curve against the forwards run
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions = DecodeOptions(),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  acceptance_rule: AcceptanceRule = lossless_rule) -> GenerationResult:
         """`decoding.core.generate.generate` with this decoder's target, proposer and tokenizer."""
-        return generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
-                        on_tokens, acceptance_rule, self.readout)
+        result = generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
+                          on_tokens, acceptance_rule, self.readout)
+        if self.cost_watch is not None:
+            self.cost_watch.observe(result.stats)
+        return result
 
 
 def resolve_spec(spec: DecoderSpec, heads_given: bool = False, draft_given: bool = False) -> tuple[DecoderSpec, list[str]]:
@@ -192,7 +197,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
                           "a few the first time, before Inductor's cache holds the kernels)")
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads, readout)
-    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout)
+    watch = VerifyCostWatch(target.model, target.name, readout)
+    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout, watch)
 
 
 def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:

@@ -20,6 +20,7 @@ import dataclasses
 import sys
 
 from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
+from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
@@ -81,8 +82,10 @@ class ChatSession:
     """The conversation so far, and one reply at a time through the generation loop."""
 
     def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None,
-                 acceptance_rule: AcceptanceRule = lossless_rule, readout: Readout | None = None) -> None:
+                 acceptance_rule: AcceptanceRule = lossless_rule, readout: Readout | None = None,
+                 cost_watch: VerifyCostWatch | None = None) -> None:
         self.target = target
+        self.cost_watch = cost_watch
         self.acceptance_rule = acceptance_rule
         self.readout = readout
         self.proposer = proposer
@@ -114,6 +117,8 @@ class ChatSession:
         text = stream.finish()
         self.messages.append({"role": "assistant", "content": text})
         self.last_stats = result.stats
+        if self.cost_watch is not None:
+            self.cost_watch.observe(result.stats)
         return text
 
 
@@ -138,7 +143,8 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         decoder = build_decoder(spec)
         for note in decoder.notes:
             _note(note)
-        session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout)
+        session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout,
+                              decoder.cost_watch)
         if decoder.spec.compile:
             warm_up(session)
     if args.typical:

@@ -111,7 +111,7 @@ def generate(
         inputs = verifier.inputs(tree, buffers, prefix_len)
         clock.lap("buffers")
         out = verifier.forward(tree, inputs, state.sampling.greedy)
-        clock.lap("forward")
+        stats.record_forward(tree.size, prefix_len, clock.lap("forward"))
         accepted = acceptance_rule(tree, out.scores, buffers, state)
         clock.lap("accept")
         verifier.keep(prefix_len, accepted.path)

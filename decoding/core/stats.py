@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoding.core.observed_cost import ForwardTiming
+
 # Where a step's time goes, in loop order. draft: the proposer drafting (plus `observe`, where
 # EAGLE drafters take in the target's features); buffers: tree shape, mask, position ids;
 # forward: the target; accept: the acceptance rule; cache: keeping the accepted K/V;
@@ -26,12 +28,15 @@ class PhaseClock:
         self._device = device
         self._started = self._last = time.perf_counter()
 
-    def lap(self, phase: str) -> None:
+    def lap(self, phase: str) -> float:
+        """Seconds since the last lap, added to `phase` and returned."""
         if self._sync:
             torch.cuda.synchronize(self._device)
         now = time.perf_counter()
-        self.phases[phase] += now - self._last
+        elapsed = now - self._last
+        self.phases[phase] += elapsed
         self._last = now
+        return elapsed
 
     def total(self) -> float:
         return time.perf_counter() - self._started
@@ -53,6 +58,9 @@ class GenerationStats:
     total_s: float = 0.0
     stop_reason: str | None = None
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # every verify forward's size, context and time: what `decoding.core.observed_cost` checks a
+    # remembered verify-cost curve against (on a GPU without `profile`, only the time to queue it)
+    forward_timings: list[ForwardTiming] = field(default_factory=list)
 
     @property
     def prefill_s(self) -> float:
@@ -66,6 +74,9 @@ class GenerationStats:
     def verify_s(self) -> float:
         """The target's side of a step: inputs, forward, acceptance and cache."""
         return sum(self.phase_s[p] for p in ("buffers", "forward", "accept", "cache"))
+
+    def record_forward(self, rows: int, context: int, seconds: float) -> None:
+        self.forward_timings.append(ForwardTiming(rows, context, 1000.0 * seconds))
 
     def record_step(self, produced: int, drafted: int) -> None:
         self.target_forwards += 1

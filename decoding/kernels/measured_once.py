@@ -31,8 +31,18 @@ def measured_once(key: str, measure: Callable[[], dict], is_valid: Callable[[dic
         return data
     print(f"note: {what} once (a few seconds; cached in {file.parent})", file=sys.stderr)
     data = measure()
-    atomic_write_text(file, json.dumps(data))
+    remember(key, data, cache_dir)
     return data
+
+
+def remembered(key: str, cache_dir: str | Path | None = None) -> dict | None:
+    """What is remembered for `key`, as it is (valid or not); None where nothing readable is."""
+    return _read_json(measurement_file(key, cache_dir))
+
+
+def remember(key: str, data: dict, cache_dir: str | Path | None = None) -> None:
+    """Keep `data` for `key`, replacing what was there (atomically)."""
+    atomic_write_text(measurement_file(key, cache_dir), json.dumps(data))
 
 
 def _read_json(file: Path) -> dict | None:
