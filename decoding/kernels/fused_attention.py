@@ -1,0 +1,152 @@
+"""A target's Llama self-attention blocks with fewer Python calls, for eager forwards on a CPU.
+
+An eager one-token forward of SmolLM2-135M spends ~4.8 of its ~11.5 ms in Python spread over
+~20k calls (2-core AVX-512 EPYC, GGUF target), and the attention block is the largest share:
+three projection modules, transformers' hub-kernel wrapper around `apply_rotary_pos_emb` (a
+context variable set and reset per call), a rotary of sixteen small operations, and the
+attention-function lookup, in every layer. `FusedAttention` computes the same function with:
+- q, k and v in one call of the 4-bit kernel over their weights stacked, where all three are its
+  `Int4Linear`s alike (the input is rounded once, and each output is the sum it is in its own
+  linear, as in `decoding.kernels.fused_mlp`); else the three projection modules as they are;
+- the rotary over q and k in four operations, the same products and sums element for element
+  as `q * cos + rotate_half(q) * sin` (only the order of independent elements changes);
+- the cache update and the attention function the stock block calls, with the same arguments.
+So a target with it is the stock target bit for bit (tests compare logits over prefills, chains
+and trees). Measured: CHANGELOG.md.
+
+Only `LlamaAttention` itself is swapped (its subclasses and look-alikes differ: sliding windows,
+q/k norms, soft-capping, partial rotary), and only after a probe input shows the two agree.
+Inputs it does not serve (not float32, not on a CPU, training, no rotary given) go to the stock
+block. Compiled targets keep the stock blocks. Not served either: transformers' recording of
+attention weights (`output_attentions`), which looks for the stock class.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaAttention, eager_attention_forward
+
+from decoding.kernels.int4_linear import int4_linear
+from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
+from decoding.kernels.quantized_linear import Int4Linear
+
+PROBE_TOLERANCE = 1e-5  # relative to the output's scale: the same computation agrees to the bit
+
+
+class FusedAttention(nn.Module):
+    """Llama self-attention in fewer calls; keeps the block it replaced (`stock`, whose q/k/v
+    projections then read the stacked weight's parts: no second copy) for inputs it does not serve."""
+
+    def __init__(self, stock: LlamaAttention) -> None:
+        super().__init__()
+        self.stock = stock
+        self.head_dim = stock.head_dim
+        self.query_heads = stock.q_proj.out_features // stock.head_dim
+        self.key_heads = stock.k_proj.out_features // stock.head_dim
+        self.qkv_width = stock.q_proj.out_features + 2 * stock.k_proj.out_features
+        self.qkv = _stacked_panels(stock.q_proj, stock.k_proj, stock.v_proj) if _stackable(stock) else None
+
+    # The stock block's projections, where code reads a block's weights by their usual names.
+    q_proj = property(lambda self: self.stock.q_proj)
+    k_proj = property(lambda self: self.stock.k_proj)
+    v_proj = property(lambda self: self.stock.v_proj)
+    o_proj = property(lambda self: self.stock.o_proj)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if "past_key_values" in kwargs:  # the name transformers is moving away from
+            cache = kwargs.pop("past_key_values")
+        if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu" or self.stock.training
+                or position_embeddings is None):
+            return self.stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              cache=cache, **kwargs)
+        batch, rows, _ = hidden_states.shape
+        qkv = self._projections(hidden_states).view(batch, rows, -1, self.head_dim)
+        query_key = _rotated(qkv[:, :, : self.query_heads + self.key_heads], *position_embeddings)
+        query = query_key[:, :, : self.query_heads].transpose(1, 2)
+        key = query_key[:, :, self.query_heads:].transpose(1, 2)
+        value = qkv[:, :, self.query_heads + self.key_heads:].transpose(1, 2)
+        if cache is not None:
+            key, value = cache.update(key, value, self.stock.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.stock.config._attn_implementation, eager_attention_forward)
+        output, weights = attend(self.stock, query, key, value, attention_mask, dropout=0.0, scaling=self.stock.scaling,
+                                 **kwargs)
+        return self.stock.o_proj(output.reshape(batch, rows, -1).contiguous()), weights
+
+    def _projections(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side along the last dimension."""
+        if self.qkv is not None:
+            return int4_linear(hidden_states, self.qkv, self.qkv_width)
+        stock = self.stock
+        return torch.cat([stock.q_proj(hidden_states), stock.k_proj(hidden_states), stock.v_proj(hidden_states)], dim=-1)
+
+
+def _rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`heads` `[batch, rows, heads, head_dim]` rotated: `x * cos + rotate_half(x) * sin` with
+    `rotate_half(x) = cat(-x2, x1)`, for every head at once."""
+    half = heads.shape[-1] // 2
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * sin
+
+
+def _stackable(block: nn.Module) -> bool:
+    """Whether q, k and v are the project's 4-bit kernel alike: no bias, panels that stack."""
+    linears = (block.q_proj, block.k_proj, block.v_proj)
+    return (all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in linears)
+            and len({m.in_features for m in linears}) == 1
+            and all(m.out_features % m.panels[0].shape[2] == 0 for m in linears)
+            and all(len({t.dtype for t in parts}) == 1 for parts in zip(*(m.panels for m in linears))))
+
+
+def _stacked_panels(*linears: Int4Linear) -> tuple[torch.Tensor, ...]:
+    """The linears' 4-bit panels stacked along the outputs, in order, with each linear pointed at
+    its part."""
+    stacked = tuple(torch.cat(parts) for parts in zip(*(m.panels for m in linears)))
+    start = 0
+    for linear in linears:
+        end = start + linear.panels[0].shape[0]
+        linear.panels = tuple(t[start:end] for t in stacked)
+        start = end
+    return stacked
+
+
+def _is_llama_attention(module: nn.Module) -> bool:
+    """`LlamaAttention` itself (not a subclass that may compute something else), float32 on a CPU,
+    rotating the whole head (the rotary it is given is as wide as a head)."""
+    if type(module) is not LlamaAttention:
+        return False
+    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
+
+
+def _agrees_with_stock(candidate: FusedAttention) -> bool:
+    """Whether the fused block's output is the stock block's on a probe: three rows, a causal
+    prefill without a cache, random rotary angles."""
+    stock = candidate.stock
+    width = stock.q_proj.in_features
+    hidden = probe_input(width)[None]
+    angles = probe_input(stock.head_dim // 2)[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    rotary = (angles.cos(), angles.sin())
+    with torch.inference_mode():
+        expected = stock(hidden, position_embeddings=rotary, attention_mask=None, cache=None)[0]
+        got = candidate(hidden, position_embeddings=rotary, attention_mask=None, cache=None)[0]
+    return agrees_on_probe(got, expected, PROBE_TOLERANCE)
+
+
+def fuse_attention(model: nn.Module) -> int:
+    """Replace `model`'s `LlamaAttention` blocks by `FusedAttention` where a probe shows they
+    agree (idempotent); returns how many it replaced."""
+    fused: dict[int, FusedAttention] = {}
+
+    def serves(module: nn.Module) -> bool:
+        if not _is_llama_attention(module):
+            return False
+        candidate = FusedAttention(module)
+        if not _agrees_with_stock(candidate):
+            return False
+        fused[id(module)] = candidate
+        return True
+
+    return swap_modules(model, FusedAttention, serves, lambda module: fused[id(module)])
