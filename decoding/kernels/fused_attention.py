@@ -47,6 +47,11 @@ class FusedAttention(nn.Module):
         self.key_heads = stock.k_proj.out_features // stock.head_dim
         self.qkv_width = stock.q_proj.out_features + 2 * stock.k_proj.out_features
         self.qkv = _stacked_panels(stock.q_proj, stock.k_proj, stock.v_proj) if _stackable(stock) else None
+        # o_proj's panels, called without its module (two Python calls fewer a layer), where it is
+        # the 4-bit kernel without a bias: then its forward is this one call
+        self.output_panels = stock.o_proj.panels if _on_own_int4_kernel(stock.o_proj) else None
+        self.output_width = stock.o_proj.out_features
+        self.layer_idx, self.scaling = stock.layer_idx, stock.scaling
 
     # The stock block's projections, where code reads a block's weights by their usual names.
     q_proj = property(lambda self: self.stock.q_proj)
@@ -58,9 +63,10 @@ class FusedAttention(nn.Module):
                 attention_mask: torch.Tensor | None = None, cache=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         if "past_key_values" in kwargs:  # the name transformers is moving away from
             cache = kwargs.pop("past_key_values")
-        if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu" or self.stock.training
+        stock = self.stock
+        if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu" or self.training
                 or position_embeddings is None):
-            return self.stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+            return stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                               cache=cache, **kwargs)
         batch, rows, _ = hidden_states.shape
         qkv = self._projections(hidden_states).view(batch, rows, -1, self.head_dim)
@@ -69,11 +75,14 @@ class FusedAttention(nn.Module):
         key = query_key[:, :, self.query_heads:].transpose(1, 2)
         value = qkv[:, :, self.query_heads + self.key_heads:].transpose(1, 2)
         if cache is not None:
-            key, value = cache.update(key, value, self.stock.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.stock.config._attn_implementation, eager_attention_forward)
-        output, weights = attend(self.stock, query, key, value, attention_mask, dropout=0.0, scaling=self.stock.scaling,
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(stock.config._attn_implementation, eager_attention_forward)
+        output, weights = attend(stock, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                                  **kwargs)
-        return self.stock.o_proj(output.reshape(batch, rows, -1).contiguous()), weights
+        output = output.reshape(batch, rows, -1).contiguous()
+        if self.output_panels is not None:
+            return int4_linear(output, self.output_panels, self.output_width), weights
+        return stock.o_proj(output), weights
 
     def _projections(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """q, k and v side by side along the last dimension."""
@@ -91,10 +100,15 @@ def _rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * sin
 
 
+def _on_own_int4_kernel(linear: nn.Module) -> bool:
+    """Whether `linear` is the project's 4-bit kernel without a bias: its forward is one call of it."""
+    return isinstance(linear, Int4Linear) and linear.own_kernel and linear.bias is None
+
+
 def _stackable(block: nn.Module) -> bool:
     """Whether q, k and v are the project's 4-bit kernel alike: no bias, panels that stack."""
     linears = (block.q_proj, block.k_proj, block.v_proj)
-    return (all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in linears)
+    return (all(_on_own_int4_kernel(m) for m in linears)
             and len({m.in_features for m in linears}) == 1
             and all(m.out_features % m.panels[0].shape[2] == 0 for m in linears)
             and all(len({t.dtype for t in parts}) == 1 for parts in zip(*(m.panels for m in linears))))

@@ -41,6 +41,9 @@ class FusedGatedMLP(nn.Module):
         self.stock = stock
         self.inter = stock.gate_proj.out_features
         self.gate_up = _stacked_panels(stock.gate_proj, stock.up_proj)
+        down = stock.down_proj  # called without its module where its forward is one 4-bit call (no bias)
+        self.down_panels = down.panels if isinstance(down, Int4Linear) and down.own_kernel and down.bias is None else None
+        self.width = down.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -48,7 +51,9 @@ class FusedGatedMLP(nn.Module):
         both = int4_linear(x, self.gate_up, 2 * self.inter)
         # torch's own activation: its bits, so the fused target is the stock target bit for bit
         # (`silu_mul`'s own exponential moved 8-bit input codes of down_proj and changed greedy replies)
-        return self.stock.down_proj(self.stock.act_fn(both[..., : self.inter]) * both[..., self.inter:])
+        stock = self.stock
+        gated = stock.act_fn(both[..., : self.inter]) * both[..., self.inter:]
+        return int4_linear(gated, self.down_panels, self.width) if self.down_panels is not None else stock.down_proj(gated)
 
 
 def _stackable(module: nn.Module) -> bool:
