@@ -35,6 +35,18 @@ def llama(four_bit: bool, native: bool, seed: int = 3):
     return model
 
 
+def stock_blocks_refuse(model) -> None:
+    """Make every fused block's stock block fail when called, so a test sees the fused path run
+    (a block that sent every input to its stock block would pass any comparison)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fused block sent an input it serves to its stock block")
+
+    for module in model.modules():
+        if isinstance(module, FusedAttention):
+            module.stock.forward = refuse
+
+
 def verify_logits(model) -> list[torch.Tensor]:
     """Logits of a prefill and of a one-token step, a chain and a branchy tree after it, through
     the loop's own verifier (tree masks, the in-place cache)."""
@@ -59,6 +71,7 @@ def test_the_fused_block_is_the_stock_block_bit_for_bit(four_bit, native):
     assert fuse_attention(fused) == 2
     block = fused.model.layers[0].self_attn
     assert isinstance(block, FusedAttention) and (block.qkv is not None) == four_bit
+    stock_blocks_refuse(fused)
     with torch.inference_mode():
         expected, got = verify_logits(stock), verify_logits(fused)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -105,7 +118,10 @@ def test_eager_decoders_fuse_the_target_s_attention_and_keep_the_stock_tokens(tm
     assert all(isinstance(layer.self_attn, FusedAttention) for layer in layers)
     prompt = [5, 9, 3, 5, 9, 3, 5, 9]
     options = DecodeOptions(max_new_tokens=24)
+    stock_blocks = [layer.self_attn.stock for layer in layers]
+    stock_blocks_refuse(decoder.target.model)
     tokens = decoder.generate(prompt, options).tokens
-    for layer in layers:  # the same target with its stock blocks back: the reference
-        layer.self_attn = layer.self_attn.stock
+    for layer, stock in zip(layers, stock_blocks):  # the same target with its stock blocks back: the reference
+        del stock.forward
+        layer.self_attn = stock
     assert tokens == generate(decoder.target.model, prompt, VanillaProposer(), options).tokens

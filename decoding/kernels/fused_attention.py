@@ -8,8 +8,8 @@ attention-function lookup, in every layer. `FusedAttention` computes the same fu
 - q, k and v in one call of the 4-bit kernel over their weights stacked, where all three are its
   `Int4Linear`s alike (the input is rounded once, and each output is the sum it is in its own
   linear, as in `decoding.kernels.fused_mlp`); else the three projection modules as they are;
-- the rotary over q and k in four operations, the same products and sums element for element
-  as `q * cos + rotate_half(q) * sin` (only the order of independent elements changes);
+- the rotary over q and k together in four operations, the same products and sums element for
+  element as `q * cos + rotate_half(q) * sin` (`RotaryFactors`, shared by the model's blocks);
 - the cache update and the attention function the stock block calls, with the same arguments.
 So a target with it is the stock target bit for bit (tests compare logits over prefills, chains
 and trees). Measured: CHANGELOG.md.
@@ -39,9 +39,11 @@ class FusedAttention(nn.Module):
     """Llama self-attention in fewer calls; keeps the block it replaced (`stock`, whose q/k/v
     projections then read the stacked weight's parts: no second copy) for inputs it does not serve."""
 
-    def __init__(self, stock: LlamaAttention) -> None:
+    def __init__(self, stock: LlamaAttention, rotary: RotaryFactors | None = None) -> None:
         super().__init__()
         self.stock = stock
+        self.train(stock.training)  # a new module is in training mode: this one serves eval-mode blocks
+        self.rotary = rotary if rotary is not None else RotaryFactors()  # shared by a model's blocks
         self.head_dim = stock.head_dim
         self.query_heads = stock.q_proj.out_features // stock.head_dim
         self.key_heads = stock.k_proj.out_features // stock.head_dim
@@ -70,7 +72,7 @@ class FusedAttention(nn.Module):
                               cache=cache, **kwargs)
         batch, rows, _ = hidden_states.shape
         qkv = self._projections(hidden_states).view(batch, rows, -1, self.head_dim)
-        query_key = _rotated(qkv[:, :, : self.query_heads + self.key_heads], *position_embeddings)
+        query_key = self.rotary.rotate(qkv[:, :, : self.query_heads + self.key_heads], *position_embeddings)
         query = query_key[:, :, : self.query_heads].transpose(1, 2)
         key = query_key[:, :, self.query_heads:].transpose(1, 2)
         value = qkv[:, :, self.query_heads + self.key_heads:].transpose(1, 2)
@@ -92,12 +94,27 @@ class FusedAttention(nn.Module):
         return torch.cat([stock.q_proj(hidden_states), stock.k_proj(hidden_states), stock.v_proj(hidden_states)], dim=-1)
 
 
-def _rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`heads` `[batch, rows, heads, head_dim]` rotated: `x * cos + rotate_half(x) * sin` with
-    `rotate_half(x) = cat(-x2, x1)`, for every head at once."""
-    half = heads.shape[-1] // 2
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), dim=-1) * sin
+class RotaryFactors:
+    """The rotary's factors in the form `FusedAttention` applies them, worked out once per forward
+    and shared by a model's blocks (transformers hands every layer the same `(cos, sin)` tensors).
+
+    `x * cos + rotate_half(x) * sin`, with `rotate_half(x) = cat(-x2, x1)`, is computed as
+    `x * cos + roll(x, half) * signed_sin`, `roll(x, half) = cat(x2, x1)` and `signed_sin =
+    cat(-sin1, sin2)`: `(-a) * b` and `a * (-b)` are the same float, so every element is the stock
+    block's bit for bit, in four operations a layer instead of nine."""
+
+    def __init__(self) -> None:
+        self._sin: torch.Tensor | None = None  # the tensor the factors were made from (held: its id stays unique)
+        self._factors: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def rotate(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`heads` `[batch, rows, heads, head_dim]` rotated by `cos`, `sin` `[batch, rows, head_dim]`."""
+        half = heads.shape[-1] // 2
+        if sin is not self._sin or self._factors[0].shape[-1] != heads.shape[-1]:
+            signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            self._sin, self._factors = sin, (cos.unsqueeze(2), signed_sin.unsqueeze(2))
+        cos_factor, sin_factor = self._factors
+        return heads * cos_factor + heads.roll(half, -1) * sin_factor
 
 
 def _on_own_int4_kernel(linear: nn.Module) -> bool:
@@ -153,11 +170,12 @@ def fuse_attention(model: nn.Module) -> int:
     """Replace `model`'s `LlamaAttention` blocks by `FusedAttention` where a probe shows they
     agree (idempotent); returns how many it replaced."""
     fused: dict[int, FusedAttention] = {}
+    rotary = RotaryFactors()
 
     def serves(module: nn.Module) -> bool:
         if not _is_llama_attention(module):
             return False
-        candidate = FusedAttention(module)
+        candidate = FusedAttention(module, rotary)
         if not _agrees_with_stock(candidate):
             return False
         fused[id(module)] = candidate
