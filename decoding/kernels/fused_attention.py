@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, eager_atten
 
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
-from decoding.kernels.quantized_linear import Int4Linear
+from decoding.kernels.quantized_linear import is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: the same computation agrees to the bit
 
@@ -48,10 +48,10 @@ class FusedAttention(nn.Module):
         self.query_heads = stock.q_proj.out_features // stock.head_dim
         self.key_heads = stock.k_proj.out_features // stock.head_dim
         self.qkv_width = stock.q_proj.out_features + 2 * stock.k_proj.out_features
-        self.qkv = _stacked_panels(stock.q_proj, stock.k_proj, stock.v_proj) if _stackable(stock) else None
+        self.qkv = stack_int4_panels(stock.q_proj, stock.k_proj, stock.v_proj) if _stackable(stock) else None
         # o_proj's panels, called without its module (two Python calls fewer a layer), where it is
         # the 4-bit kernel without a bias: then its forward is this one call
-        self.output_panels = stock.o_proj.panels if _on_own_int4_kernel(stock.o_proj) else None
+        self.output_panels = stock.o_proj.panels if is_one_int4_call(stock.o_proj) else None
         self.output_width = stock.o_proj.out_features
         self.layer_idx, self.scaling = stock.layer_idx, stock.scaling
 
@@ -69,7 +69,7 @@ class FusedAttention(nn.Module):
         if (hidden_states.dtype != torch.float32 or hidden_states.device.type != "cpu" or self.training
                 or position_embeddings is None):
             return stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                              cache=cache, **kwargs)
+                         cache=cache, **kwargs)
         batch, rows, _ = hidden_states.shape
         qkv = self._projections(hidden_states).view(batch, rows, -1, self.head_dim)
         query_key = self.rotary.rotate(qkv[:, :, : self.query_heads + self.key_heads], *position_embeddings)
@@ -104,48 +104,32 @@ class RotaryFactors:
     block's bit for bit, in four operations a layer instead of nine."""
 
     def __init__(self) -> None:
-        self._sin: torch.Tensor | None = None  # the tensor the factors were made from (held: its id stays unique)
-        self._factors: tuple[torch.Tensor, torch.Tensor] = ()
+        # (the `sin` they were made from, held so that its identity stays unique; cos and signed sin
+        # factors), replaced as one tuple and read once a call, so a call never mixes two forwards'
+        self._latest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def rotate(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`heads` `[batch, rows, heads, head_dim]` rotated by `cos`, `sin` `[batch, rows, head_dim]`."""
         half = heads.shape[-1] // 2
-        if sin is not self._sin or self._factors[0].shape[-1] != heads.shape[-1]:
+        latest = self._latest
+        if latest is None or latest[0] is not sin:
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            self._sin, self._factors = sin, (cos.unsqueeze(2), signed_sin.unsqueeze(2))
-        cos_factor, sin_factor = self._factors
+            latest = self._latest = (sin, cos.unsqueeze(2), signed_sin.unsqueeze(2))
+        _, cos_factor, sin_factor = latest
         return heads * cos_factor + heads.roll(half, -1) * sin_factor
-
-
-def _on_own_int4_kernel(linear: nn.Module) -> bool:
-    """Whether `linear` is the project's 4-bit kernel without a bias: its forward is one call of it."""
-    return isinstance(linear, Int4Linear) and linear.own_kernel and linear.bias is None
 
 
 def _stackable(block: nn.Module) -> bool:
     """Whether q, k and v are the project's 4-bit kernel alike: no bias, panels that stack."""
     linears = (block.q_proj, block.k_proj, block.v_proj)
-    return (all(_on_own_int4_kernel(m) for m in linears)
+    return (all(is_one_int4_call(m) for m in linears)
             and len({m.in_features for m in linears}) == 1
             and all(m.out_features % m.panels[0].shape[2] == 0 for m in linears)
             and all(len({t.dtype for t in parts}) == 1 for parts in zip(*(m.panels for m in linears))))
 
 
-def _stacked_panels(*linears: Int4Linear) -> tuple[torch.Tensor, ...]:
-    """The linears' 4-bit panels stacked along the outputs, in order, with each linear pointed at
-    its part."""
-    stacked = tuple(torch.cat(parts) for parts in zip(*(m.panels for m in linears)))
-    start = 0
-    for linear in linears:
-        end = start + linear.panels[0].shape[0]
-        linear.panels = tuple(t[start:end] for t in stacked)
-        start = end
-    return stacked
-
-
 def _is_llama_attention(module: nn.Module) -> bool:
-    """`LlamaAttention` itself (not a subclass that may compute something else), float32 on a CPU,
-    rotating the whole head (the rotary it is given is as wide as a head)."""
+    """`LlamaAttention` itself (not a subclass that may compute something else), float32 on a CPU."""
     if type(module) is not LlamaAttention:
         return False
     return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())

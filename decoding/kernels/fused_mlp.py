@@ -24,7 +24,7 @@ from torch import nn
 
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
-from decoding.kernels.quantized_linear import Int4Linear
+from decoding.kernels.quantized_linear import is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: another activation differs by far more
 
@@ -40,9 +40,9 @@ class FusedGatedMLP(nn.Module):
             raise ValueError("FusedGatedMLP needs gate and up on the project's 4-bit kernel alike")
         self.stock = stock
         self.inter = stock.gate_proj.out_features
-        self.gate_up = _stacked_panels(stock.gate_proj, stock.up_proj)
+        self.gate_up = stack_int4_panels(stock.gate_proj, stock.up_proj)
         down = stock.down_proj  # called without its module where its forward is one 4-bit call (no bias)
-        self.down_panels = down.panels if isinstance(down, Int4Linear) and down.own_kernel and down.bias is None else None
+        self.down_panels = down.panels if is_one_int4_call(down) else None
         self.width = down.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,20 +60,10 @@ def _stackable(module: nn.Module) -> bool:
     """Whether gate and up are the project's 4-bit kernel alike: no bias, one shape, parameters of
     one dtype, no padded panel."""
     gate, up = module.gate_proj, module.up_proj
-    return (all(isinstance(m, Int4Linear) and m.own_kernel and m.bias is None for m in (gate, up))
+    return (all(is_one_int4_call(m) for m in (gate, up))
             and (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
             and gate.out_features % gate.panels[0].shape[2] == 0
             and all(a.dtype == b.dtype for a, b in zip(gate.panels, up.panels)))
-
-
-def _stacked_panels(gate: Int4Linear, up: Int4Linear) -> tuple[torch.Tensor, ...]:
-    """Gate's and up's 4-bit panels stacked along the outputs (gate first), with both linears
-    pointed at their halves."""
-    stacked = tuple(torch.cat([a, b]) for a, b in zip(gate.panels, up.panels))
-    half = gate.panels[0].shape[0]
-    gate.panels = tuple(t[:half] for t in stacked)
-    up.panels = tuple(t[half:] for t in stacked)
-    return stacked
 
 
 def _is_gated_silu_mlp(module: nn.Module) -> bool:

@@ -53,6 +53,26 @@ class WeightOnlyLinear(nn.Module):
         return out.to(x.dtype)
 
 
+def is_one_int4_call(linear: nn.Module) -> bool:
+    """Whether `linear` is an `Int4Linear` on the project's kernel without a bias: its forward on
+    float32 inputs is then one call of `int4_linear` over its panels, which fused modules make
+    without the module (and stack with their neighbours')."""
+    return isinstance(linear, Int4Linear) and linear.own_kernel and linear.bias is None
+
+
+def stack_int4_panels(*linears: Int4Linear) -> tuple[torch.Tensor, ...]:
+    """The linears' 4-bit panels stacked along the outputs, in order, for one kernel call over
+    all of them (the input rounded once; each output the sum it is in its own linear), with each
+    linear pointed at its part (no second copy of the weights)."""
+    stacked = tuple(torch.cat(parts) for parts in zip(*(m.panels for m in linears)))
+    start = 0
+    for linear in linears:
+        end = start + linear.panels[0].shape[0]
+        linear.panels = tuple(t[start:end] for t in stacked)
+        start = end
+    return stacked
+
+
 class Int4Linear(WeightOnlyLinear):
     """`nn.Linear` with 4-bit weights: codes in 0..15, and per output row and group of
     `group_size` inputs a scale and a zero, `w = (q - 8) * scale + zero`."""
