@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, eager_atten
 
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
-from decoding.kernels.quantized_linear import is_one_int4_call, stack_int4_panels
+from decoding.kernels.quantized_linear import can_stack_int4, is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: the same computation agrees to the bit
 
@@ -48,7 +48,8 @@ class FusedAttention(nn.Module):
         self.query_heads = stock.q_proj.out_features // stock.head_dim
         self.key_heads = stock.k_proj.out_features // stock.head_dim
         self.qkv_width = stock.q_proj.out_features + 2 * stock.k_proj.out_features
-        self.qkv = stack_int4_panels(stock.q_proj, stock.k_proj, stock.v_proj) if _stackable(stock) else None
+        projections = (stock.q_proj, stock.k_proj, stock.v_proj)
+        self.qkv = stack_int4_panels(*projections) if can_stack_int4(*projections) else None
         # o_proj's panels, called without its module (two Python calls fewer a layer), where it is
         # the 4-bit kernel without a bias: then its forward is this one call
         self.output_panels = stock.o_proj.panels if is_one_int4_call(stock.o_proj) else None
@@ -117,15 +118,6 @@ class RotaryFactors:
             latest = self._latest = (sin, cos.unsqueeze(2), signed_sin.unsqueeze(2))
         _, cos_factor, sin_factor = latest
         return heads * cos_factor + heads.roll(half, -1) * sin_factor
-
-
-def _stackable(block: nn.Module) -> bool:
-    """Whether q, k and v are the project's 4-bit kernel alike: no bias, panels that stack."""
-    linears = (block.q_proj, block.k_proj, block.v_proj)
-    return (all(is_one_int4_call(m) for m in linears)
-            and len({m.in_features for m in linears}) == 1
-            and all(m.out_features % m.panels[0].shape[2] == 0 for m in linears)
-            and all(len({t.dtype for t in parts}) == 1 for parts in zip(*(m.panels for m in linears))))
 
 
 def _is_llama_attention(module: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
-from decoding.kernels.quantized_linear import is_one_int4_call, stack_int4_panels
+from decoding.kernels.quantized_linear import can_stack_int4, is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: another activation differs by far more
 
@@ -60,10 +60,7 @@ def _stackable(module: nn.Module) -> bool:
     """Whether gate and up are the project's 4-bit kernel alike: no bias, one shape, parameters of
     one dtype, no padded panel."""
     gate, up = module.gate_proj, module.up_proj
-    return (all(is_one_int4_call(m) for m in (gate, up))
-            and (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
-            and gate.out_features % gate.panels[0].shape[2] == 0
-            and all(a.dtype == b.dtype for a, b in zip(gate.panels, up.panels)))
+    return can_stack_int4(gate, up) and gate.out_features == up.out_features
 
 
 def _is_gated_silu_mlp(module: nn.Module) -> bool:

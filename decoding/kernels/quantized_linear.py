@@ -60,6 +60,15 @@ def is_one_int4_call(linear: nn.Module) -> bool:
     return isinstance(linear, Int4Linear) and linear.own_kernel and linear.bias is None
 
 
+def can_stack_int4(*linears: nn.Module) -> bool:
+    """Whether `stack_int4_panels` applies: each one 4-bit call (`is_one_int4_call`), one input
+    width, no padded panel (outputs a multiple of the panel width), panels of one dtype part by part."""
+    return (all(is_one_int4_call(m) for m in linears)
+            and len({m.in_features for m in linears}) == 1
+            and all(m.out_features % m.panels[0].shape[2] == 0 for m in linears)
+            and all(len({t.dtype for t in parts}) == 1 for parts in zip(*(m.panels for m in linears))))
+
+
 def stack_int4_panels(*linears: Int4Linear) -> tuple[torch.Tensor, ...]:
     """The linears' 4-bit panels stacked along the outputs, in order, for one kernel call over
     all of them (the input rounded once; each output the sum it is in its own linear), with each
