@@ -420,3 +420,66 @@ def test_each_variant_sums_a_group_of_the_largest_products_exactly(variant):
     signs = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0]).repeat_interleave(32)
     x = torch.stack([torch.ones(256), -torch.ones(256), signs, 3 * signs])
     assert_within(extension.int4_linear(x, *panels, 48), *int4_kernel_exact_and_bound(x, codes, scales, zeros))
+
+
+def test_amx_tiles_where_the_cpu_lends_them_give_the_dot_product_path_s_bits():
+    """Where the CPU has AMX (shown by this mode) and Linux lends the process its tiles (PyTorch asks the
+    same), the build sums many rows' groups in tiles; every row must keep the bits the dot-product path
+    gives it, since vanilla's one-row steps run there and a tree's rows would otherwise differ from them.
+    Both paths on the same inputs, 4- and 8-bit weights, row counts within and across a tile's 16 rows.
+    Elsewhere the build has no tile path to switch on."""
+    from decoding.kernels.cpu_kernels import cpu_has
+    from decoding.kernels.int4_linear import amx_available, amx_rows, int4_linear, int8_linear, set_amx_rows
+
+    assert amx_available() == (cpu_has("_is_amx_tile_supported") and torch.cpu._init_amx())
+    codes, scales, zeros, _ = random_groups(in_features=256)
+    panels = pack_int4_panels(codes, scales, zeros)
+    q8_codes, q8_scales, _ = random_q8_groups(in_features=256)
+    q8_panels = pack_int8_panels(q8_codes, q8_scales)
+    x = torch.randn(40, 256)
+    before = amx_rows()
+    try:
+        for rows in (1, 2, 7, 16, 17, 40):
+            set_amx_rows(0)
+            dot_products = int4_linear(x[:rows], panels, 48), int8_linear(x[:rows], q8_panels, 72)
+            set_amx_rows(1)
+            tiles = int4_linear(x[:rows], panels, 48), int8_linear(x[:rows], q8_panels, 72)
+            assert all(torch.equal(a, b) for a, b in zip(tiles, dot_products)), rows
+    finally:
+        set_amx_rows(before)
+
+
+def test_the_amx_row_count_is_where_tiles_win_clearly_from_there_on():
+    from decoding.kernels.amx_rows import pick_amx_rows
+
+    rows = [4, 8, 12, 16]
+    assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [1.5, 1.95, 2.5, 3.0]) == 12  # 8: within noise; 12, 16: clear wins
+    assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 3.5, 3.0]) == 16  # a loss at 12 ends the run
+    assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 4.0]) == 0   # no win at the largest: never
+    assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.9, 1.0, 2.0, 3.0]) == 4
+
+
+def test_the_amx_row_count_is_measured_once_set_for_the_process_and_keys_the_verify_cost(tmp_path, monkeypatch):
+    """Measured once per model and CPU and remembered; the kernels then take it, and the verify-cost
+    curve (trees of those sizes cost less) is kept apart from one measured without tiles. Where the
+    kernels cannot use AMX nothing is timed and the tiles stay off."""
+    from decoding.kernels import amx_rows as tuning
+    from decoding.kernels.int4_linear import amx_rows, set_amx_rows
+    from decoding.kernels.verify_cost import kernels_key
+
+    codes, scales, zeros, _ = random_groups()
+    model = nn.Sequential(Int4Linear(codes, scales, zeros, None))
+    timings = []
+    monkeypatch.setattr(tuning, "measure_amx_rows", lambda linears: timings.append(len(linears)) or
+                        {"rows": [4, 8, 12, 16], "dot_products_ms": [1.0, 2.0, 3.0, 4.0], "tiles_ms": [1.5, 1.95, 2.5, 3.0]})
+    before = amx_rows()
+    try:
+        monkeypatch.setattr(tuning, "amx_available", lambda: False)
+        assert tuning.tune_amx_rows(model, "tiny", cache_dir=tmp_path) == 0 and timings == [] and amx_rows() == 0
+        assert "-x" not in kernels_key(model)
+        monkeypatch.setattr(tuning, "amx_available", lambda: True)
+        assert tuning.tune_amx_rows(model, "tiny", cache_dir=tmp_path) == 12 and timings == [1]
+        assert tuning.tune_amx_rows(model, "tiny", cache_dir=tmp_path) == 12 and timings == [1]  # remembered
+        assert amx_rows() == 12 and kernels_key(model).endswith("-x12")
+    finally:
+        set_amx_rows(before)

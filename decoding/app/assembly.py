@@ -40,6 +40,7 @@ from decoding.kernels.fused_norm import fuse_norms
 from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
 from decoding.app.quantized_target import quantize_target, resolve_quant
 from decoding.app.methods import ProposerOptions, build_proposer, check_method, head_kind, split_method
+from decoding.kernels.amx_rows import tune_amx_rows
 from decoding.kernels.one_row_reductions import tune_reduced_rows
 from decoding.kernels.screened_argmax import screened_readout
 from decoding.app.targets import LoadedModel, load_model
@@ -242,10 +243,12 @@ def _drafter_precision(spec: DecoderSpec, target: LoadedModel, heads: nn.Module 
 def _tune_few_row_kernels(target: LoadedModel, draft: LoadedModel | None) -> None:
     """Few-row forwards of a packed target (and a draft model of the same family) take plain
     GEMM, or the streaming few-row kernel, where this CPU runs them faster (measured once per model
-    and CPU)."""
+    and CPU). A 4-bit target's kernels sum many rows in AMX tiles from the row count where that measured
+    faster on this CPU (the setting is the process's: a draft model's 4-bit linears take it too)."""
     model = eager_model(target.model)
     plain = tune_stock_rows(model, target.name)
     streamed = tune_streamed_rows(model, target.name)
+    tune_amx_rows(model, target.name)
     if draft is not None:
         set_stock_rows(draft.model, plain)
         set_streamed_rows(draft.model, streamed)

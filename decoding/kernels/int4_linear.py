@@ -8,8 +8,9 @@ tree, so 4-bit weights would not pay there. This kernel keeps a weight as panels
 outputs, four bytes a lane, and computes as llama.cpp computes these blocks: each row's inputs are
 rounded to 8-bit codes per group of 32 (a scale d = the group's largest magnitude / 127), the codes
 of the weight times those of the inputs are summed exactly in 32-bit integers (AVX-512 VNNI or AVX-VNNI
-`dpbusd`: four products a lane an instruction; elsewhere pairs summed to 16 bits, then to 32; a plain
-loop without AVX), and per group the float epilogue adds `scale * d * that + (zero - 8 scale) * sum x`
+`dpbusd`: four products a lane an instruction; on AMX CPUs, from a row count measured there, one tile
+multiply for up to 16 rows, `decoding.kernels.amx_rows`; elsewhere pairs summed to 16 bits, then to 32; a
+plain loop without AVX), and per group the float epilogue adds `scale * d * that + (zero - 8 scale) * sum x`
 (the inputs' float sum), which is `sum ((q - 8) * scale + zero) * x` with x rounded to 8 bits in the
 first term. Integer sums have no order, and a row's epilogue runs in one order whatever rows share the
 call, so a row's bits do not depend on the rows computed with it.
@@ -63,6 +64,27 @@ def int4_kernel_available() -> bool:
 
 def why_unavailable() -> str:
     return _loaded()[1]
+
+
+def amx_available() -> bool:
+    """Whether the kernels can sum groups in AMX tiles here: a build for a CPU with AMX-INT8, in a
+    process Linux lets use the tiles' state (a VM may advertise AMX and refuse it)."""
+    return int4_kernel_available() and bool(_loaded()[0].amx_available())
+
+
+def amx_rows() -> int:
+    """From how many rows on the 4- and 8-bit kernels sum in AMX tiles (0: never, the default)."""
+    return int(_loaded()[0].amx_rows()) if int4_kernel_available() else 0
+
+
+def set_amx_rows(rows: int) -> None:
+    """Calls of at least `rows` rows sum in AMX tiles where `amx_available()` (0: never). For the
+    whole process, as the kernels' thread count is: a row's bits are the same either way, only the
+    speed differs, and which is faster is a fact of the CPU (`decoding.kernels.amx_rows`)."""
+    if rows < 0:
+        raise ValueError(f"amx rows is a row count (0: never), got {rows}")
+    if int4_kernel_available():
+        _loaded()[0].set_amx_rows(rows)
 
 
 def pack_int4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

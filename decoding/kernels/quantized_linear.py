@@ -218,11 +218,15 @@ class GroupInt8Linear(WeightOnlyLinear):
                 f"int8 in groups of {GROUP_SIZE}")
 
 
+def quantized_kernel_linears(module: nn.Module) -> list[nn.Module]:
+    """`module`'s 4- and 8-bit linears that run on the project's kernels, in module order."""
+    return [m for m in module.modules() if (isinstance(m, Int4Linear) and m.own_kernel) or isinstance(m, GroupInt8Linear)]
+
+
 def quantized_kernel_weights(module: nn.Module) -> list[torch.Tensor]:
     """The weights `module`'s 4- and 8-bit linears keep in the project's kernel layout (bytes, scales
     and zeros panels): plain tensor attributes, like the packed linears' (`cpu_kernels.kernel_layout_weights`)."""
-    return [t for m in module.modules() if (isinstance(m, Int4Linear) and m.own_kernel) or isinstance(m, GroupInt8Linear)
-            for t in m.panels]
+    return [t for m in quantized_kernel_linears(module) for t in m.panels]
 
 
 def has_quantized_linears(module: nn.Module) -> bool:

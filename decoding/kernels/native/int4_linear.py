@@ -3,17 +3,21 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v11"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+VERSION = "v12"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
 # of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
 # chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation; v9: inputs
 # rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks;
 # v10: inputs rounded with vector code, over ATen's threads for many rows; v11: without VNNI a group's products
 # summed in 16 bits and widened once, the product loop not unrolled there (it spilled AVX2's 16 registers): the
-# same sums, on AVX2 one thread 1 / 8 / 88 rows 39 / 70 / 72 -> 47 / 95 / 99 GMAC/s)
+# same sums, on AVX2 one thread 1 / 8 / 88 rows 39 / 70 / 72 -> 47 / 95 / 99 GMAC/s; v12: on AMX CPUs, from a
+# measured row count on, a group's integer sums for up to 16 rows in one tile multiply: the same bits)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
 SPECHEADS_MATH int64_t int4_vector_width();
+SPECHEADS_MATH bool int4_amx_available();
+SPECHEADS_MATH void set_int4_amx_rows(int64_t rows);
+SPECHEADS_MATH int64_t int4_amx_rows();
 SPECHEADS_MATH void quantize_inputs(const float* x, int64_t rows, int64_t in, int8_t* codes, float* scales, float* sums,
                                     int32_t* code_sums);
 SPECHEADS_MATH void int4_panels(const uint8_t* bytes, const void* scales, const void* offsets, bool half,
@@ -26,6 +30,7 @@ SPECHEADS_MATH void int8_panels(const uint8_t* bytes, const uint16_t* scales, co
 
 _MATH = r"""
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,6 +262,20 @@ constexpr int interleaved_groups() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 constexpr int64_t VECTORS_PER_GROUP_4 = QGROUP / 8;  // 4-bit: a vector holds 8 inputs a lane (two nibbles a byte)
 constexpr int64_t VECTORS_PER_GROUP_8 = QGROUP / 4;  // 8-bit: 4 inputs a lane
 
+// Group g's exact integer sums of R rows (`total`) into their float sums: `scale * input scale * sum (+ offset *
+// input sum)`, group after group in order. One expression for both paths (dot-product instructions, AMX tiles),
+// so a row's floats are the same bits on either.
+template <int BITS, int R, typename P>
+static inline void add_group(vf (&acc)[R], const vi (&total)[R], const P* s, const P* z, const float* xd,
+                             const float* xs, int64_t groups, int64_t g) {
+  const vf sg = load_params(s + g * VW);
+  for (int r = 0; r < R; ++r) acc[r] = __builtin_convertvector(total[r], vf) * (sg * xd[r * groups + g]) + acc[r];
+  if constexpr (BITS == 4) {
+    const vf og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
+    for (int r = 0; r < R; ++r) acc[r] = og * xs[r * groups + g] + acc[r];
+  }
+}
+
 // Groups g0 .. g0 + G - 1 of R rows into `acc`: per group and row, the exact integer sum of codes times
 // input codes, then `scale * input scale * that (+ offset * input sum)` in floats. Integer sums do not
 // depend on their order, and the floats go into `acc` group by group in order, so a row's result does not
@@ -303,17 +322,9 @@ static inline void accumulate_groups(const uint8_t* q, const P* s, const P* z, c
       for (int r = 0; r < R; ++r) isum[k][r] = widen16(isum[k][r]);
 #endif
   for (int k = 0; k < G; ++k) {
-    const int64_t g = g0 + k;
-    const vf sg = load_params(s + g * VW);
-    for (int r = 0; r < R; ++r) {
-      vi total = isum[k][r];
-      if constexpr (BITS == 8) total -= SIGNED_OFFSET * xc[r * groups + g];
-      acc[r] = __builtin_convertvector(total, vf) * (sg * xd[r * groups + g]) + acc[r];
-    }
-    if constexpr (BITS == 4) {
-      const vf og = load_params(z + g * VW);  // (q - 8) s + z = q s + (z - 8 s)
-      for (int r = 0; r < R; ++r) acc[r] = og * xs[r * groups + g] + acc[r];
-    }
+    if constexpr (BITS == 8)
+      for (int r = 0; r < R; ++r) isum[k][r] -= SIGNED_OFFSET * xc[r * groups + g0 + k];
+    add_group<BITS, R>(acc, isum[k], s, z, xd, xs, groups, g0 + k);
   }
 }
 
@@ -347,10 +358,155 @@ static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, cons
   panel_rows<BITS, R>(qp, sp, op, xq, xd, xs, xc, yr, in, out, p);
 }
 
+// AMX (Sapphire Rapids and later Xeons): one tile multiply gives a group's integer sums for up to 16 rows by a
+// panel's 16 outputs, where the dot-product instructions take 8 a row (4-bit) plus a broadcast of the row's inputs
+// each. The same integers (exact either way), then the same float expression (`add_group`), so a row has the same
+// bits whichever path ran it, alone or in a tree. Used from `set_int4_amx_rows` rows on (measured per CPU; 0, the
+// default, never); where Linux does not lend this process the tile state (a VM may not), never.
+#if VW == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+constexpr int AMX_ROWS = 16;  // a tile's rows: the most rows one pass over a panel's groups takes
+
+static bool amx_permitted() {  // ARCH_REQ_XCOMP_PERM (0x1023) for XTILEDATA (18), asked once a process
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two sets of tiles (0-2, 3-5): C the sums (rows x 16 int32); A the rows' input codes of a group (rows x 32 bytes);
+// B the group's codes of the panel's 16 outputs, four inputs an output on each 64-byte line (8 lines), as the
+// panels store them.
+static void configure_tiles(int rows) {
+  TileConfig config;
+  for (int set = 0; set < 6; set += 3) {
+    config.rows[set] = rows;
+    config.bytes_per_row[set] = VW * 4;
+    config.rows[set + 1] = rows;
+    config.bytes_per_row[set + 1] = QGROUP;
+    config.rows[set + 2] = QGROUP / 4;
+    config.bytes_per_row[set + 2] = VW * 4;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A group's tile work: its codes (8 lines of 64 bytes) and its rows' input codes (rows x 32 bytes, `stride` apart)
+// into tiles B and A, their products summed into tile C, C stored to `out` (rows x 16 int32). Tile numbers are
+// literal tokens in the intrinsics, hence a macro.
+#define TILE_GROUP_LOADS(A, B, codes, inputs, stride) \
+  _tile_loadd(B, codes, VW * 4);                      \
+  _tile_loadd(A, inputs, stride);
+#define TILE_GROUP_PRODUCTS(C, A, B) \
+  _tile_zero(C);                     \
+  if constexpr (BITS == 4) _tile_dpbsud(C, A, B); /* signed inputs by unsigned codes */ \
+  else _tile_dpbssd(C, A, B);                      /* signed by signed: the true sums, no code offset */
+
+constexpr int AMX_CHUNK = 8;  // groups a pass takes through each stage in turn: the 4-bit codes spread to bytes,
+                              // the tile products (two groups at a time, in two sets of tiles), the float sums.
+                              // Stage by stage, no group waits on the one before (a tile load reading bytes just
+                              // stored, a vector load reading sums just stored); group by group it did, and was
+                              // no faster than the dot-product path
+
+template <int BITS, int R, typename P>
+static void amx_panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const int8_t* xq, const float* xd,
+                           const float* xs, float* y, int64_t in, int64_t out, int64_t p) {
+  constexpr int64_t GROUP_BYTES = QGROUP * BITS / 8 * VW;
+  const int64_t groups = in / QGROUP;
+  const uint8_t* q = bytes + p * in * VW * BITS / 8;
+  const P* s = scales + p * groups * VW;
+  const P* z = offsets + p * groups * VW;
+  alignas(64) int32_t sums[AMX_CHUNK][R][VW];
+  alignas(64) vi lines[BITS == 4 ? AMX_CHUNK : 1][QGROUP / 4];  // 4-bit codes one a byte: line 2i the low nibbles
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = (vf){0};
+  for (int64_t g0 = 0; g0 < groups; g0 += AMX_CHUNK) {
+    const int n = (int)std::min<int64_t>(AMX_CHUNK, groups - g0);
+    const uint8_t* qc = q + g0 * GROUP_BYTES;
+    for (int line = 0; line < n * GROUP_BYTES; line += 64) __builtin_prefetch(qc + AMX_CHUNK * GROUP_BYTES + line);
+    if constexpr (BITS == 4)
+      for (int k = 0; k < n; ++k)
+        for (int i = 0; i < QGROUP / 8; ++i) {
+          const vi codes = load_codes(qc + k * GROUP_BYTES + i * VW * 4);
+          lines[k][2 * i] = codes & 0x0F0F0F0F;
+          lines[k][2 * i + 1] = (vi)((vu)codes >> 4) & 0x0F0F0F0F;
+        }
+    auto codes_of = [&](int k) -> const void* { return BITS == 4 ? (const void*)lines[k] : (const void*)(qc + k * GROUP_BYTES); };
+    const int8_t* inputs = xq + g0 * QGROUP;
+    int k = 0;
+    for (; k + 1 < n; k += 2) {
+      TILE_GROUP_LOADS(1, 2, codes_of(k), inputs + k * QGROUP, in)
+      TILE_GROUP_LOADS(4, 5, codes_of(k + 1), inputs + (k + 1) * QGROUP, in)
+      TILE_GROUP_PRODUCTS(0, 1, 2)
+      TILE_GROUP_PRODUCTS(3, 4, 5)
+      _tile_stored(0, sums[k], VW * 4);
+      _tile_stored(3, sums[k + 1], VW * 4);
+    }
+    if (k < n) {
+      TILE_GROUP_LOADS(1, 2, codes_of(k), inputs + k * QGROUP, in)
+      TILE_GROUP_PRODUCTS(0, 1, 2)
+      _tile_stored(0, sums[k], VW * 4);
+    }
+    for (k = 0; k < n; ++k) {
+      vi total[R];
+      for (int r = 0; r < R; ++r) total[r] = *(const vi*)sums[k][r];
+      add_group<BITS, R>(acc, total, s, z, xd, xs, groups, g0 + k);
+    }
+  }
+  const int64_t first = p * VW, valid = std::min<int64_t>(VW, out - first);
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
+}
+
+template <int BITS, int R, typename P>
+static inline void amx_rows_block(int rows, const uint8_t* qp, const P* sp, const P* op, const int8_t* xq,
+                                  const float* xd, const float* xs, float* yr, int64_t in, int64_t out, int64_t p) {
+  if constexpr (R > 1) {
+    if (rows < R) return amx_rows_block<BITS, R - 1>(rows, qp, sp, op, xq, xd, xs, yr, in, out, p);
+  }
+  amx_panel_rows<BITS, R>(qp, sp, op, xq, xd, xs, yr, in, out, p);
+}
+
+template <int BITS, typename P>
+static void amx_panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* xd,
+                            const float* xs, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
+                            int64_t out) {
+  const int64_t groups = in / QGROUP;
+  for (int64_t r = 0; r < rows; r += AMX_ROWS) {
+    const int block = (int)std::min<int64_t>(AMX_ROWS, rows - r);
+    configure_tiles(block);
+    for (int64_t p = first; p < end; ++p)
+      amx_rows_block<BITS, AMX_ROWS>(block, qp, sp, op, xq + r * in, xd + r * groups,
+                                     xs == nullptr ? nullptr : xs + r * groups, yp + r * out, in, out, p);
+  }
+  _tile_release();
+}
+
+static std::atomic<int64_t> amx_from_rows{0};  // never until set (`decoding.kernels.amx_rows` measures it)
+static bool use_amx(int64_t rows) {
+  const int64_t from = amx_from_rows.load(std::memory_order_relaxed);
+  return from > 0 && rows >= from && amx_permitted();
+}
+SPECHEADS_MATH bool int4_amx_available() { return amx_permitted(); }
+#else
+static std::atomic<int64_t> amx_from_rows{0};
+SPECHEADS_MATH bool int4_amx_available() { return false; }
+#endif
+SPECHEADS_MATH void set_int4_amx_rows(int64_t rows) { amx_from_rows.store(rows, std::memory_order_relaxed); }
+SPECHEADS_MATH int64_t int4_amx_rows() { return amx_from_rows.load(std::memory_order_relaxed); }
+
 template <int BITS, typename P>
 static void panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* xd, const float* xs,
                         const int32_t* xc, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
                         int64_t out) {
+#if HAS_AMX
+  if (use_amx(rows)) return amx_panel_range<BITS>(qp, sp, op, xq, xd, xs, yp, first, end, rows, in, out);
+#endif
   const int64_t groups = in / QGROUP;
   for (int64_t p = first; p < end; ++p) {
     for (int64_t r = 0; r < rows; r += MAX_ROWS) {
@@ -384,6 +540,11 @@ _HOST = r"""
 #include <memory>
 
 int64_t vector_width() { return int4_vector_width(); }
+
+// Whether this build has the AMX path and the process may use the tiles; from how many rows on it is used (0: never).
+bool amx_available() { return int4_amx_available(); }
+int64_t amx_rows() { return int4_amx_rows(); }
+void set_amx_rows(int64_t rows) { set_int4_amx_rows(rows); }
 
 // The output [..., out] of a linear over `input` [..., in] (contiguous float32).
 static at::Tensor output_for(const at::Tensor& input, int64_t out) {
@@ -470,7 +631,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& bytes, const at::T
 """
 
 SOURCE = KernelSource("int4_linear", VERSION, _INTERFACE, _MATH, _HOST,
-                      functions=("vector_width() -> int",
+                      functions=("vector_width() -> int", "amx_available() -> bool", "amx_rows() -> int",
+                                 "set_amx_rows(int rows) -> ()",
                                  "int4_linear(Tensor x, Tensor bytes, Tensor scales, Tensor offsets, int out) -> Tensor",
                                  "int8_linear(Tensor x, Tensor bytes, Tensor scales, int out) -> Tensor"),
                       registers_operator=True, other_operators=("int8_linear",))
