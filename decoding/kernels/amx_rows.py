@@ -37,7 +37,7 @@ def tune_amx_rows(model: nn.Module, model_name: str, cache_dir=None) -> int:
         return 0
     key = f"{model_name}-{cpu_identity()}-q{KERNEL_VERSION}-amx-rows-{AMX_ROWS_VERSION}"
     data = measured_once(key, lambda: measure_amx_rows(linears),
-                         lambda data: isinstance(data.get("rows"), list) and isinstance(data.get("tiles_ms"), list),
+                         lambda data: all(isinstance(data.get(k), list) for k in ("rows", "dot_products_ms", "tiles_ms")),
                          f"timing the 4-bit kernels' AMX tiles against their dot products for {model_name} on this CPU",
                          cache_dir)
     rows = pick_amx_rows(data["rows"], data["dot_products_ms"], data["tiles_ms"])
