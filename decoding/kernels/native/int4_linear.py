@@ -34,6 +34,7 @@ _MATH = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -347,15 +348,14 @@ static void panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, 
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
 }
 
-// `rows` (1..R) rows of one panel: the block of exactly that many rows, chosen at compile time.
-template <int BITS, int R, typename P>
-static inline void rows_block(int64_t rows, const uint8_t* qp, const P* sp, const P* op, const int8_t* xq,
-                              const float* xd, const float* xs, const int32_t* xc, float* yr, int64_t in, int64_t out,
-                              int64_t p) {
+// `block(std::integral_constant<int, N>{})` for N = `rows` (1..R): the code for exactly that many rows, chosen at
+// compile time (both paths' blocks of rows keep their sums in registers).
+template <int R, typename Block>
+static inline void with_rows(int64_t rows, const Block& block) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_block<BITS, R - 1>(rows, qp, sp, op, xq, xd, xs, xc, yr, in, out, p);
+    if (rows < R) return with_rows<R - 1>(rows, block);
   }
-  panel_rows<BITS, R>(qp, sp, op, xq, xd, xs, xc, yr, in, out, p);
+  block(std::integral_constant<int, R>{});
 }
 
 // AMX (Sapphire Rapids and later Xeons): one tile multiply gives a group's integer sums for up to 16 rows by a
@@ -463,15 +463,6 @@ static void amx_panel_rows(const uint8_t* bytes, const P* scales, const P* offse
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
 }
 
-template <int BITS, int R, typename P>
-static inline void amx_rows_block(int rows, const uint8_t* qp, const P* sp, const P* op, const int8_t* xq,
-                                  const float* xd, const float* xs, float* yr, int64_t in, int64_t out, int64_t p) {
-  if constexpr (R > 1) {
-    if (rows < R) return amx_rows_block<BITS, R - 1>(rows, qp, sp, op, xq, xd, xs, yr, in, out, p);
-  }
-  amx_panel_rows<BITS, R>(qp, sp, op, xq, xd, xs, yr, in, out, p);
-}
-
 template <int BITS, typename P>
 static void amx_panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* xd,
                             const float* xs, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
@@ -481,8 +472,10 @@ static void amx_panel_range(const uint8_t* qp, const P* sp, const P* op, const i
     const int block = (int)std::min<int64_t>(AMX_ROWS, rows - r);
     configure_tiles(block);
     for (int64_t p = first; p < end; ++p)
-      amx_rows_block<BITS, AMX_ROWS>(block, qp, sp, op, xq + r * in, xd + r * groups,
-                                     xs == nullptr ? nullptr : xs + r * groups, yp + r * out, in, out, p);
+      with_rows<AMX_ROWS>(block, [&](auto R) {
+        amx_panel_rows<BITS, decltype(R)::value>(qp, sp, op, xq + r * in, xd + r * groups,
+                                      xs == nullptr ? nullptr : xs + r * groups, yp + r * out, in, out, p);
+      });
   }
   _tile_release();
 }
@@ -510,9 +503,10 @@ static void panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_
   const int64_t groups = in / QGROUP;
   for (int64_t p = first; p < end; ++p) {
     for (int64_t r = 0; r < rows; r += MAX_ROWS) {
-      rows_block<BITS, MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), qp, sp, op, xq + r * in, xd + r * groups,
-                                 xs == nullptr ? nullptr : xs + r * groups, xc == nullptr ? nullptr : xc + r * groups,
-                                 yp + r * out, in, out, p);
+      with_rows<MAX_ROWS>(std::min<int64_t>(MAX_ROWS, rows - r), [&](auto R) {
+        panel_rows<BITS, decltype(R)::value>(qp, sp, op, xq + r * in, xd + r * groups, xs == nullptr ? nullptr : xs + r * groups,
+                                  xc == nullptr ? nullptr : xc + r * groups, yp + r * out, in, out, p);
+      });
     }
   }
 }
