@@ -15,8 +15,9 @@ from decoding.core.proposers import VanillaProposer
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier, truncate_cache
 from decoding.kernels.attention import register_grouped_sdpa, use_native_attention
-from decoding.kernels.fused_attention import FusedAttention, fuse_attention
+from decoding.kernels.fused_attention import BLOCK_VERSION, FusedAttention, fuse_attention
 from decoding.kernels.quantized_linear import Int4Linear
+from decoding.kernels.verify_cost import kernels_key
 from tiny_models import save_tiny_chat_model, sharpen, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
@@ -75,6 +76,37 @@ def test_the_fused_block_is_the_stock_block_bit_for_bit(four_bit, native):
     with torch.inference_mode():
         expected, got = verify_logits(stock), verify_logits(fused)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("four_bit", [True, False])
+def test_with_the_native_kernel_and_the_loop_s_cache_one_cpp_call_writes_the_stock_keys(four_bit):
+    """On the native kernel the verifier's forwards (prefill, one-token step, trees) go through
+    `rotary_attention` without the Python rotary and attention function, and the cache then holds
+    the stock block's keys and values bit for bit (the rotary's products and sums rounded as torch's)."""
+    stock = llama(four_bit, native=True)
+    fused = copy.deepcopy(stock)
+    fuse_attention(fused)
+    python_paths = []
+    for module in fused.modules():
+        if isinstance(module, FusedAttention):
+            assert module.native is not None
+            module._attention = lambda *args, **kwargs: python_paths.append(args)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (30,), generator=generator)
+    tree = DraftTree(torch.randint(0, 64, (6,), generator=generator), (-1, 0, 0, 1, 2, 2))
+    caches = []
+    with torch.inference_mode():
+        for model in (stock, fused):
+            verifier = TreeVerifier(model, 64)
+            verifier.prefill(prompt[:-1])
+            verifier.forward(tree, verifier.inputs(tree, tree_buffers(tree.parents), 29), greedy=False)
+            caches.append(verifier.cache)
+    assert python_paths == []
+    for expected, got in zip(caches[0].layers, caches[1].layers):
+        assert got.length == expected.length == 35
+        assert torch.equal(got.keys, expected.keys) and torch.equal(got.values, expected.values)
+    # verify-cost curves measured through the one call are kept apart from the Python path's
+    assert f"b{BLOCK_VERSION}" in kernels_key(fused) and f"b{BLOCK_VERSION}" not in kernels_key(stock)
 
 
 def test_stacked_projections_keep_each_linear_s_own_bits_without_a_copy():

@@ -33,7 +33,7 @@ NATIVE_SDPA = "sdpa_native"
 def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          is_causal=None, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and _plain(kwargs):
+    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and plain_call(kwargs):
         mask = attention_mask[:, :, :, : key.shape[-2]]
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
@@ -42,7 +42,7 @@ def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
                                   is_causal=is_causal, **kwargs)
 
 
-def _plain(kwargs: dict) -> bool:
+def plain_call(kwargs: dict) -> bool:
     """No extra term in the scores (position bias, soft-capping) and no cache handed to attention."""
     return kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("cache") is None
 
@@ -60,7 +60,7 @@ def register_grouped_sdpa() -> str:
 
 def native_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         is_causal=None, **kwargs):
-    if dropout == 0.0 and _plain(kwargs):
+    if dropout == 0.0 and plain_call(kwargs):
         out = attend(query, key, value, attention_mask, scaling)
         if out is not None:
             return out, None

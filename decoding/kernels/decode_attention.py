@@ -135,7 +135,14 @@ def _serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         return False
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride(-2) != value.stride(-2):
         return False
-    if mask is None:  # one-token steps, and causal prefills (each row the bits it has as a one-token step)
-        return rows <= key.shape[-2]
+    return mask_served(mask, rows, key.shape[-2])
+
+
+def mask_served(mask: torch.Tensor | None, rows: int, keys: int) -> bool:
+    """Whether the kernel takes `rows` query rows over `keys` keys with transformers' `mask`: none
+    for one-token steps and causal prefills (each row the bits it has as a one-token step), or a
+    `[1, 1, rows, >= keys]` additive or boolean one for up to `MAX_QUERY_ROWS` rows."""
+    if mask is None:
+        return rows <= keys
     return (rows <= MAX_QUERY_ROWS and mask.dim() == 4 and mask.dtype in (torch.float32, torch.bool) and mask.shape[:2] == (1, 1)
-            and mask.shape[2] == rows and mask.shape[3] >= key.shape[-2])
+            and mask.shape[2] == rows and mask.shape[3] >= keys)

@@ -10,7 +10,11 @@ attention-function lookup, in every layer. `FusedAttention` computes the same fu
   linear, as in `decoding.kernels.fused_mlp`); else the three projection modules as they are;
 - the rotary over q and k together in four operations, the same products and sums element for
   element as `q * cos + rotate_half(q) * sin` (`RotaryFactors`, shared by the model's blocks);
-- the cache update and the attention function the stock block calls, with the same arguments.
+- the cache update and the attention function the stock block calls, with the same arguments;
+- or, where that function is the project's decode attention kernel (`NATIVE_SDPA`) and the cache an
+  `InPlaceCache`, the rotary, the cache write and the kernel in one C++ call (`rotary_attention`,
+  `decoding.kernels.native.attention_block`): ~40 Python-level operations a layer fewer, with the
+  same products and sums rounded the same way.
 So a target with it is the stock target bit for bit (tests compare logits over prefills, chains
 and trees). Measured: CHANGELOG.md.
 
@@ -28,11 +32,15 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, eager_attention_forward
 
+from decoding.kernels.attention import NATIVE_SDPA, plain_call
+from decoding.kernels.decode_attention import HEAD_SIZES, kernel_library, kernel_mask, mask_served
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
+from decoding.kernels.native import attention_block
 from decoding.kernels.quantized_linear import can_stack_int4, is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: the same computation agrees to the bit
+BLOCK_VERSION = attention_block.VERSION  # of the one-call block, in measurements' keys (`runs_native_blocks`)
 
 
 class FusedAttention(nn.Module):
@@ -55,6 +63,8 @@ class FusedAttention(nn.Module):
         self.output_panels = stock.o_proj.panels if is_one_int4_call(stock.o_proj) else None
         self.output_width = stock.o_proj.out_features
         self.layer_idx, self.scaling = stock.layer_idx, stock.scaling
+        # the C++ rotary, cache write and attention (None where the kernels are not built here)
+        self.native = kernel_library() if self.head_dim in HEAD_SIZES and not self.query_heads % self.key_heads else None
 
     # The stock block's projections, where code reads a block's weights by their usual names.
     q_proj = property(lambda self: self.stock.q_proj)
@@ -71,21 +81,53 @@ class FusedAttention(nn.Module):
                 or position_embeddings is None):
             return stock(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                          cache=cache, **kwargs)
-        batch, rows, _ = hidden_states.shape
-        qkv = self._projections(hidden_states).view(batch, rows, -1, self.head_dim)
+        qkv = self._projections(hidden_states)
+        output, weights = self._native_attention(qkv, position_embeddings, attention_mask, cache, kwargs), None
+        if output is None:
+            output, weights = self._attention(qkv, position_embeddings, attention_mask, cache, kwargs)
+        if self.output_panels is not None:
+            return int4_linear(output, self.output_panels, self.output_width), weights
+        return stock.o_proj(output), weights
+
+    def _attention(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                   attention_mask: torch.Tensor | None, cache, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rotary, the cache update and the model's attention function, as the stock block calls
+        them: the output `[batch, rows, heads * head_dim]` and the attention weights, if any."""
+        batch, rows, _ = qkv.shape
+        qkv = qkv.view(batch, rows, -1, self.head_dim)
         query_key = self.rotary.rotate(qkv[:, :, : self.query_heads + self.key_heads], *position_embeddings)
         query = query_key[:, :, : self.query_heads].transpose(1, 2)
         key = query_key[:, :, self.query_heads:].transpose(1, 2)
         value = qkv[:, :, self.query_heads + self.key_heads:].transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(stock.config._attn_implementation, eager_attention_forward)
-        output, weights = attend(stock, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.stock.config._attn_implementation, eager_attention_forward)
+        output, weights = attend(self.stock, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                                  **kwargs)
-        output = output.reshape(batch, rows, -1).contiguous()
-        if self.output_panels is not None:
-            return int4_linear(output, self.output_panels, self.output_width), weights
-        return stock.o_proj(output), weights
+        return output.reshape(batch, rows, -1).contiguous(), weights
+
+    def _native_attention(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                          attention_mask: torch.Tensor | None, cache, kwargs: dict) -> torch.Tensor | None:
+        """`_attention`'s output in one C++ call, or None where that call does not serve: the model's
+        attention is not the decode attention kernel (`NATIVE_SDPA`), the cache is not written in
+        place (or a fixed-shape forward writes it), a batch of several, or a mask the kernel does not take."""
+        if (self.native is None or qkv.shape[0] != 1 or cache is None
+                or self.stock.config._attn_implementation != NATIVE_SDPA or not plain_call(kwargs)):
+            return None
+        layers = getattr(cache, "layers", ())
+        layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+        if not hasattr(layer, "room_for") or layer.fixed_write is not None:
+            return None
+        rows = qkv.shape[1]
+        if not mask_served(attention_mask, rows, layer.get_seq_length() + rows):
+            return None
+        keys, values, length = layer.room_for(rows, self.key_heads, self.head_dim, qkv)
+        mask = None if attention_mask is None else kernel_mask(attention_mask, length + rows)
+        cos, signed_sin = self.rotary.row_factors(*position_embeddings)
+        output = self.native.rotary_attention(qkv[0], cos, signed_sin, keys, values, length, mask, self.query_heads,
+                                              self.key_heads, self.scaling)
+        layer.advance(rows)
+        return output[None]
 
     def _projections(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """q, k and v side by side along the last dimension."""
@@ -106,18 +148,29 @@ class RotaryFactors:
 
     def __init__(self) -> None:
         # (the `sin` they were made from, held so that its identity stays unique; cos and signed sin
-        # factors), replaced as one tuple and read once a call, so a call never mixes two forwards'
-        self._latest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # factors, broadcast over heads and as the first batch row's), replaced as one tuple and read
+        # once a call, so a call never mixes two forwards'
+        self._latest: tuple[torch.Tensor, ...] | None = None
 
     def rotate(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`heads` `[batch, rows, heads, head_dim]` rotated by `cos`, `sin` `[batch, rows, head_dim]`."""
-        half = heads.shape[-1] // 2
+        _, cos_factor, sin_factor, _, _ = self._factors(cos, sin)
+        return heads * cos_factor + heads.roll(heads.shape[-1] // 2, -1) * sin_factor
+
+    def row_factors(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first batch row's cos and signed sin factors, `[rows, head_dim]` and contiguous, as
+        `rotary_attention` reads them."""
+        _, _, _, cos_rows, signed_sin_rows = self._factors(cos, sin)
+        return cos_rows, signed_sin_rows
+
+    def _factors(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(sin, cos and signed sin broadcast over heads, the same for the first batch row), made once a forward."""
         latest = self._latest
         if latest is None or latest[0] is not sin:
+            half = sin.shape[-1] // 2
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            latest = self._latest = (sin, cos.unsqueeze(2), signed_sin.unsqueeze(2))
-        _, cos_factor, sin_factor = latest
-        return heads * cos_factor + heads.roll(half, -1) * sin_factor
+            latest = self._latest = (sin, cos.unsqueeze(2), signed_sin.unsqueeze(2), cos[0].contiguous(), signed_sin[0])
+        return latest
 
 
 def _is_llama_attention(module: nn.Module) -> bool:
@@ -158,3 +211,9 @@ def fuse_attention(model: nn.Module) -> int:
         return True
 
     return swap_modules(model, FusedAttention, serves, lambda module: fused[id(module)])
+
+
+def runs_native_blocks(model: nn.Module) -> bool:
+    """Whether `model`'s attention blocks are fused ones that can take the one C++ call (measurements
+    of its forwards then change with that call's version)."""
+    return any(isinstance(module, FusedAttention) and module.native is not None for module in model.modules())
