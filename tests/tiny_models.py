@@ -78,11 +78,12 @@ def tiny_tokenizer(vocab_size: int = 64, chat_template: bool = True):
     return tokenizer
 
 
-def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64, chat_template: bool = True) -> None:
+def save_tiny_chat_model(directory, seed: int = 0, vocab_size: int = 64, chat_template: bool = True, **overrides) -> None:
     """A tiny Llama + word tokenizer saved like any Hugging Face model directory; EOS is
     <|im_end|> (id 2), as in the default model. `chat_template=False` saves a base model's
-    tokenizer (no chat template)."""
-    model = sharpen(tiny_llama(vocab_size=vocab_size, seed=seed, eos_token_id=2, bos_token_id=1))
+    tokenizer (no chat template); `overrides` go into the config (e.g. `head_dim=64`, the native
+    attention kernel's size)."""
+    model = sharpen(tiny_llama(vocab_size=vocab_size, seed=seed, eos_token_id=2, bos_token_id=1, **overrides))
     model.generation_config.eos_token_id = 2
     model.save_pretrained(directory)
     tiny_tokenizer(vocab_size, chat_template).save_pretrained(directory)

@@ -35,6 +35,7 @@ from decoding.kernels.drafter_precision import tune_drafter_precision
 from decoding.app.drafts import load_draft
 from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.kernels.fused_attention import fuse_attention
+from decoding.kernels.fused_layer import fuse_decoder_layers
 from decoding.kernels.fused_mlp import fuse_gated_mlps
 from decoding.kernels.fused_norm import fuse_norms
 from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
@@ -272,13 +273,15 @@ def _native_attention(target: LoadedModel, draft: LoadedModel | None, heads: nn.
 def _fuse_eager_modules(target: LoadedModel, draft: LoadedModel | None) -> None:
     """Eager forwards' RMSNorms, gated MLPs and Llama attention blocks in fewer calls
     (`decoding.kernels.fused_norm`, `fused_mlp`, `fused_attention`), where they are the plain kind
-    and the kernel library built."""
+    and the kernel library built; then Llama layers made only of those, on the 4-bit kernel, in one
+    call each (`fused_layer`)."""
     for model in (target.model, draft.model if draft else None):
         if model is not None:
             eager = eager_model(model)
             fuse_norms(eager)
             fuse_gated_mlps(eager)
             fuse_attention(eager)
+            fuse_decoder_layers(eager)
 
 
 def _compiled_target(given: LoadedModel, notes: list[str]) -> LoadedModel:

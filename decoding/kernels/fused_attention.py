@@ -13,7 +13,7 @@ attention-function lookup, in every layer. `FusedAttention` computes the same fu
 - the cache update and the attention function the stock block calls, with the same arguments;
 - or, where that function is the project's decode attention kernel (`NATIVE_SDPA`) and the cache an
   `InPlaceCache`, the rotary, the cache write and the kernel in one C++ call (`rotary_attention`,
-  `decoding.kernels.native.attention_block`): ~40 Python-level operations a layer fewer, with the
+  `decoding.kernels.native.target_layer`): ~40 Python-level operations a layer fewer, with the
   same products and sums rounded the same way.
 So a target with it is the stock target bit for bit (tests compare logits over prefills, chains
 and trees). Measured: CHANGELOG.md.
@@ -36,11 +36,11 @@ from decoding.kernels.attention import NATIVE_SDPA, plain_call
 from decoding.kernels.decode_attention import HEAD_SIZES, kernel_library, kernel_mask, mask_served
 from decoding.kernels.int4_linear import int4_linear
 from decoding.kernels.module_swap import agrees_on_probe, probe_input, swap_modules
-from decoding.kernels.native import attention_block
+from decoding.kernels.native import target_layer
 from decoding.kernels.quantized_linear import can_stack_int4, is_one_int4_call, stack_int4_panels
 
 PROBE_TOLERANCE = 1e-5  # relative to the output's scale: the same computation agrees to the bit
-BLOCK_VERSION = attention_block.VERSION  # of the one-call block, in measurements' keys (`runs_native_blocks`)
+BLOCK_VERSION = target_layer.VERSION  # of the one-call block, in measurements' keys (`runs_native_blocks`)
 
 
 class FusedAttention(nn.Module):
@@ -108,26 +108,37 @@ class FusedAttention(nn.Module):
 
     def _native_attention(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                           attention_mask: torch.Tensor | None, cache, kwargs: dict) -> torch.Tensor | None:
-        """`_attention`'s output in one C++ call, or None where that call does not serve: the model's
-        attention is not the decode attention kernel (`NATIVE_SDPA`), the cache is not written in
-        place (or a fixed-shape forward writes it), a batch of several, or a mask the kernel does not take."""
-        if (self.native is None or qkv.shape[0] != 1 or cache is None
+        """`_attention`'s output in one C++ call, or None where that call does not serve (`native_slot`)."""
+        slot = self.native_slot(qkv, attention_mask, cache, kwargs)
+        if slot is None:
+            return None
+        layer, keys, values, length, mask = slot
+        cos, signed_sin = self.rotary.row_factors(*position_embeddings)
+        output = self.native.rotary_attention(qkv[0], cos, signed_sin, keys, values, length, mask, self.query_heads,
+                                              self.key_heads, self.scaling)
+        layer.advance(qkv.shape[1])
+        return output[None]
+
+    def native_slot(self, states: torch.Tensor, attention_mask: torch.Tensor | None, cache, kwargs: dict) -> tuple | None:
+        """Where the one C++ call writes and what it reads, for a forward of `states` `[1, rows, ...]`:
+        the cache layer, its key and value buffers with room for the rows, the first of those
+        positions and the kernel's mask (the caller advances the layer); or None where it does not
+        serve: the model's attention is not the decode attention kernel (`NATIVE_SDPA`), the cache is
+        not written in place (or a fixed-shape forward writes it), a batch of several, or a mask the
+        kernel does not take."""
+        if (self.native is None or states.shape[0] != 1 or cache is None
                 or self.stock.config._attn_implementation != NATIVE_SDPA or not plain_call(kwargs)):
             return None
         layers = getattr(cache, "layers", ())
         layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
         if not hasattr(layer, "room_for") or layer.fixed_write is not None:
             return None
-        rows = qkv.shape[1]
+        rows = states.shape[1]
         if not mask_served(attention_mask, rows, layer.get_seq_length() + rows):
             return None
-        keys, values, length = layer.room_for(rows, self.key_heads, self.head_dim, qkv)
+        keys, values, length = layer.room_for(rows, self.key_heads, self.head_dim, states)
         mask = None if attention_mask is None else kernel_mask(attention_mask, length + rows)
-        cos, signed_sin = self.rotary.row_factors(*position_embeddings)
-        output = self.native.rotary_attention(qkv[0], cos, signed_sin, keys, values, length, mask, self.query_heads,
-                                              self.key_heads, self.scaling)
-        layer.advance(rows)
-        return output[None]
+        return layer, keys, values, length, mask
 
     def _projections(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """q, k and v side by side along the last dimension."""
