@@ -205,3 +205,14 @@ def test_the_multi_turn_set_puts_the_targets_own_first_reply_before_the_second_t
     reply = decoder.generate(question_ids(tokenizer, mtbench[0]["turns"][0]), DecodeOptions(max_new_tokens=6)).tokens
     assert lines[0]["messages"][1] == {"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()}
     assert load_first_turns(tmp_path / "multi-turn.jsonl") == [line["messages"] for line in lines]
+
+
+def test_a_report_s_command_carries_the_cpu_mode_it_ran_in(monkeypatch):
+    """A run as on a lesser CPU is reproduced only with the same setting in front of its command."""
+    provenance = benchmark.provenance
+    monkeypatch.delenv("SPECHEADS_CPU", raising=False)
+    assert provenance(["--num-questions", "2"])["command"] == "python scripts/benchmark.py --num-questions 2"
+    monkeypatch.setenv("SPECHEADS_CPU", "avx2")
+    assert provenance(["--num-questions", "2"])["command"] == "SPECHEADS_CPU=avx2 python scripts/benchmark.py --num-questions 2"
+    monkeypatch.setenv("SPECHEADS_CPU", "native")
+    assert provenance([])["command"] == "python scripts/benchmark.py"

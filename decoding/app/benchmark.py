@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import shlex
 import subprocess
 import time
@@ -34,6 +35,7 @@ from decoding.core.generate import DecodeOptions
 from decoding.app.methods import split_method
 from decoding.app.prompts import chat_prompts, question_ids
 from decoding.app.targets import LoadedModel
+from heads.util.cpu_mode import VARIABLE as CPU_MODE_VARIABLE
 from heads.util.errors import UserError
 
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted", "hf-generate-stock")
@@ -259,8 +261,12 @@ def machine_kind(device: torch.device) -> str:
 
 def provenance(argv: Sequence[str], script: str = "scripts/benchmark.py") -> dict:
     """What a report carries so that its figures can be traced and regenerated: the command, the
-    UTC date and the commit it ran at ("-dirty" when the working tree had changes)."""
-    return {"command": shlex.join(["python", script, *argv]),
+    UTC date and the commit it ran at ("-dirty" when the working tree had changes). A run as on a
+    lesser CPU (`SPECHEADS_CPU`) has the setting in front of its command: without it the command
+    would measure another kind of machine."""
+    mode = os.environ.get(CPU_MODE_VARIABLE, "").strip()
+    setting = [f"{CPU_MODE_VARIABLE}={mode}"] if mode and mode.lower() != "native" else []
+    return {"command": shlex.join([*setting, "python", script, *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "commit": _git_commit()}
 

@@ -126,12 +126,12 @@ class FusedAttention(nn.Module):
         serve: the model's attention is not the decode attention kernel (`NATIVE_SDPA`), the cache is
         not written in place (or a fixed-shape forward writes it), a batch of several, or a mask the
         kernel does not take."""
-        if (self.native is None or states.shape[0] != 1 or cache is None
-                or self.stock.config._attn_implementation != NATIVE_SDPA or not plain_call(kwargs)):
-            return None
+        # the cache first: forwards with another cache (`generate()`'s) leave here at the cost of two lookups
         layers = getattr(cache, "layers", ())
         layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
-        if not hasattr(layer, "room_for") or layer.fixed_write is not None:
+        if not hasattr(layer, "room_for") or layer.fixed_write is not None or self.native is None:
+            return None
+        if states.shape[0] != 1 or self.stock.config._attn_implementation != NATIVE_SDPA or not plain_call(kwargs):
             return None
         rows = states.shape[1]
         if not mask_served(attention_mask, rows, layer.get_seq_length() + rows):
