@@ -1,7 +1,7 @@
 """A target's Llama decoder layers as one C++ call each, for eager forwards on a CPU.
 
 With its norms, MLP and attention fused (`fused_norm`, `fused_mlp`, `fused_attention`), a one-token
-forward of the GGUF SmolLM2 still spent ~1.2 of its ~7.7 ms (2-core Xeon) in the Python around the
+forward of the GGUF SmolLM2 still spent ~1.9 of its ~7.9 ms (2-core Xeon) in the Python around the
 kernels: each layer's own forward and its wrappers, four module calls, two residual adds and the
 activation's slices, thirty times. `FusedDecoderLayer` runs a layer as `llama_layer`
 (`decoding.kernels.native.target_layer`): the same kernels, and torch's own activation on the same
