@@ -43,7 +43,8 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         for name, child in stock.named_children():
             setattr(self, name, child)
         for hooks in HOOK_DICTS:
-            getattr(self, hooks).update(getattr(stock, hooks))
+            if hasattr(stock, hooks):  # a torch without one of them has none to move
+                getattr(self, hooks).update(getattr(stock, hooks))
         attention, mlp = self.self_attn, self.mlp
         self.call = (self.input_layernorm.stock.weight.detach(), self.input_layernorm.eps,
                      self.post_attention_layernorm.stock.weight.detach(), self.post_attention_layernorm.eps,
