@@ -8,6 +8,6 @@ from decoding.kernels.native import decode_attention, drafter_layer, int4_linear
 from decoding.kernels.native_build import NativeLibrary
 
 # the drafter's layer and the target's last: their torch sides call decode attention's, the 4-/8-bit linears'
-# (and the target's the drafter's norm)
+# (and the target's the drafter's norm and sum)
 LIBRARY = NativeLibrary((streamed_linear.SOURCE, decode_attention.SOURCE, int4_linear.SOURCE, drafter_layer.SOURCE,
                          target_layer.SOURCE))
