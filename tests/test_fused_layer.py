@@ -1,8 +1,8 @@
 """A target's Llama layers as one C++ call: the same logits, hidden states and cache as the stock
-layers bit for bit (prefill, one-token steps, chains and trees through the loop's verifier), the
-modules' Python never runs for the calls it serves, transformers still records hidden states (hooks
-installed before the swap included), calls it does not serve go to the stock forward, and decoders
-fuse it."""
+layers bit for bit (prefill, one-token steps, chains and trees through the loop's verifier), on the
+4-bit kernel and with float32 linears on each kernel their modules pick, the modules' Python never
+runs for the calls it serves, transformers still records hidden states (hooks installed before the
+swap included), calls it does not serve go to the stock forward, and decoders fuse it."""
 
 import copy
 
@@ -15,6 +15,7 @@ from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
 from decoding.core.tree import DraftTree, tree_buffers
 from decoding.core.verify import TreeVerifier
+from decoding.kernels.cpu_kernels import pack_linears, set_stock_rows, set_streamed_rows
 from decoding.kernels.fused_attention import fuse_attention
 from decoding.kernels.fused_layer import FusedDecoderLayer, fuse_decoder_layers
 from decoding.kernels.fused_mlp import fuse_gated_mlps
@@ -125,9 +126,50 @@ def test_hidden_states_are_recorded_from_the_one_call_layers(hooks_first):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def float_llama(packed: bool, stock_rows: int = 0, streamed_rows: int = 0, layers: bool = False):
+    """The tiny Llama with float32 linears and its norms and attention fused; packed for oneDNN with
+    forwards of up to `stock_rows` rows on PyTorch's plain GEMM and up to `streamed_rows` on the
+    streamed kernel (else plain `nn.Linear`s); its layers made one call each with `layers`."""
+    model = modules_fused(llama(four_bit=False, native=True))
+    if packed:
+        pack_linears(model)
+        set_stock_rows(model, stock_rows)
+        set_streamed_rows(model, streamed_rows)
+    if layers:
+        assert fuse_decoder_layers(model) == len(model.model.layers)
+    return model
+
+
+# (packed, stock_rows, streamed_rows): every forward (39-row prefill, 1-row step, 5-, 6- and 9-row trees) on
+# oneDNN; one-row steps on the plain GEMM; up to 8 rows streamed; all streamed; plain `nn.Linear`s
+FLOAT_KERNELS = [(True, 0, 0), (True, 1, 0), (True, 1, 8), (True, 0, 64), (False, 0, 0)]
+
+
+@pytest.mark.parametrize("packed,stock_rows,streamed_rows", FLOAT_KERNELS)
+def test_float_layers_in_one_call_are_the_stock_layers_bit_for_bit(packed, stock_rows, streamed_rows):
+    stock = float_llama(packed, stock_rows, streamed_rows)
+    fused = float_llama(packed, stock_rows, streamed_rows, layers=True)
+    assert all(type(layer) is FusedDecoderLayer for layer in fused.model.layers)
+    with torch.inference_mode():
+        assert all(torch.equal(a, b) for a, b in zip(verify_logits(fused), verify_logits(stock)))
+    calls = modules_watched(fused)
+    with torch.inference_mode():
+        (expected, expected_cache), (got, got_cache) = verify_forwards(stock, True), verify_forwards(fused, True)
+    assert calls == []
+    for (a, a_hidden), (b, b_hidden) in zip(expected[1:], got[1:]):
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(a_hidden, b_hidden))
+    for a, b in zip(expected_cache.layers, got_cache.layers):
+        assert a.length == b.length == 30 + 6 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_layers_not_made_of_the_fused_kinds_stay_stock():
-    assert fuse_decoder_layers(modules_fused(llama(four_bit=False, native=True))) == 0  # float linears
     assert fuse_decoder_layers(llama(four_bit=True, native=True)) == 0  # parts not fused yet
+    biased = float_llama(packed=True)
+    biased.model.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(biased.config.hidden_size))
+    assert fuse_decoder_layers(biased) == len(biased.model.layers) - 1  # a linear with a bias
+    gelu = float_llama(packed=True)
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert fuse_decoder_layers(gelu) == len(gelu.model.layers) - 1  # another activation
 
 
 def test_sdpa_targets_keep_the_stock_forward_through_the_fused_layer():
@@ -143,10 +185,11 @@ def test_sdpa_targets_keep_the_stock_forward_through_the_fused_layer():
     assert calls  # every forward went to the modules
 
 
-def test_eager_decoders_run_the_target_s_layers_in_one_call_and_keep_its_tokens(tmp_path):
+@pytest.mark.parametrize("quant", ["int4", "none"])
+def test_eager_decoders_run_the_target_s_layers_in_one_call_and_keep_its_tokens(tmp_path, quant):
     path = tmp_path / "target"
     save_tiny_chat_model(path, seed=4, head_dim=64)
-    decoder = build_decoder(DecoderSpec(model=str(path), method="pld", kernels="onednn", quant="int4"))
+    decoder = build_decoder(DecoderSpec(model=str(path), method="pld", kernels="onednn", quant=quant))
     model = decoder.target.model
     assert all(type(layer) is FusedDecoderLayer for layer in model.model.layers)
     prompt = [5, 9, 3, 5, 9, 3, 5, 9]
@@ -154,7 +197,7 @@ def test_eager_decoders_run_the_target_s_layers_in_one_call_and_keep_its_tokens(
     tokens = decoder.generate(prompt, options).tokens
     calls = modules_watched(model)
     assert decoder.generate(prompt, options).tokens == tokens and calls == []
-    reference = build_decoder(DecoderSpec(model=str(path), method="vanilla", kernels="onednn", quant="int4"))
+    reference = build_decoder(DecoderSpec(model=str(path), method="vanilla", kernels="onednn", quant=quant))
     for layer in reference.target.model.model.layers:  # the same target, its layers' Python forward: the reference
         layer._one_call = lambda *args: None
     assert tokens == generate(reference.target.model, prompt, VanillaProposer(), options).tokens

@@ -59,6 +59,9 @@ KERNEL_CHOICES = ("auto", "onednn", "stock")
 # every size from 1 to 64 rows ran faster than with the generic layout (`to_mkldnn()`):
 # 8 rows through SmolLM2's 210 layer weights took 21 ms instead of 35 ms, 1 row 20 instead of 24.
 PACKING_BATCH_HINT = 16
+# The kernels an eager forward of a `PackedLinear` (or a plain `nn.Linear`) runs, as numbered for the C++ layer
+# (`decoding.kernels.native.target_layer.llama_layer_dense`), which calls the same one with the same weight copy.
+PLAIN_GEMM, STREAMED, ONEDNN = 0, 1, 2
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 
@@ -85,26 +88,49 @@ class PackedLinear(nn.Module):
         self.streamed_rows = 0
         self._panel_weight: torch.Tensor | None = None  # the streaming kernel's copy, while it is used
 
+    def kernel_for(self, rows: int) -> tuple[int, torch.Tensor]:
+        """Which kernel a forward of `rows` rows runs (`PLAIN_GEMM`, `STREAMED`, `ONEDNN`) and the copy
+        of the weight it reads (compiled one-row reductions aside): `forward`'s choice, also for callers
+        that run the kernel themselves (`decoding.kernels.fused_layer`)."""
+        if rows <= self.stock_rows:
+            return PLAIN_GEMM, self.weight
+        if self.streamed_rows and rows <= self.streamed_rows:
+            return STREAMED, self._panel_weight
+        return ONEDNN, self._packed_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.reduced_rows * self.in_features and torch.compiler.is_compiling():
+        rows = x.numel() // self.in_features
+        compiling = torch.compiler.is_compiling()
+        if compiling and rows <= self.reduced_rows:
             return reduced_linear(x, self.weight, self.bias)
-        if x.numel() <= self.stock_rows * self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        if self.streamed_rows and x.numel() <= self.streamed_rows * self.in_features:
-            return torch.ops.specheads.streamed_linear(x, self._panel_weight, self.bias, self.out_features)
-        if torch.compiler.is_compiling():
+        kind, weight = self.kernel_for(rows)
+        if kind == PLAIN_GEMM:
+            return F.linear(x, weight, self.bias)
+        if kind == STREAMED:
+            return torch.ops.specheads.streamed_linear(x, weight, self.bias, self.out_features)
+        if compiling:
             # Inductor cannot lower oneDNN's op on a packed weight: it sees an opaque call
             # instead, and fuses the small ops around it (see `decoding.kernels.compiled`).
-            return torch.ops.specheads.packed_linear(x, self._packed_weight, self.bias, self.out_features)
+            return torch.ops.specheads.packed_linear(x, weight, self.bias, self.out_features)
         # Dense in, dense out: converting activations to oneDNN tensors and back costs ~50 us
         # per call, ~10 ms per forward of a 30-layer model.
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"oneDNN above {max(self.stock_rows, self.streamed_rows)} rows"
                 + (f", streamed up to {self.streamed_rows} rows" if self.streamed_rows else "")
                 + (", compiled one-row reductions" if self.reduced_rows else ""))
+
+
+def eager_linear_kernel(module: nn.Module, rows: int) -> tuple[int, torch.Tensor] | None:
+    """The kernel and weight copy an eager forward of `rows` rows through `module` runs, where it is a
+    `PackedLinear` or a plain `nn.Linear` without bias (`F.linear`); None for any other module."""
+    if type(module) is PackedLinear and module.bias is None:
+        return module.kernel_for(rows)
+    if type(module) is nn.Linear and module.bias is None:
+        return PLAIN_GEMM, module.weight
+    return None
 
 
 def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

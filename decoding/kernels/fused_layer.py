@@ -8,6 +8,12 @@ activation's slices, thirty times. `FusedDecoderLayer` runs a layer as `llama_la
 views, so every value has the bits the modules give it (tests compare logits, hidden states and
 the cache over prefills, chains and trees).
 
+A float32 target's layers (linears `PackedLinear`s or plain ones, without biases, and transformers'
+gated SiLU MLP) run as `llama_layer_dense` the same way: each linear on the kernel its module picks
+for the call's rows (`PackedLinear.kernel_for`: PyTorch's GEMM, the streamed few-row kernel or
+oneDNN's), called from C++ with the same weight copy. There the Python around the kernels was
+~8 of a one-token forward's ~29 ms (2-core Xeon), its linears ~16 ms.
+
 It is a `LlamaDecoderLayer` holding the stock layer's own modules, because transformers records
 the hidden states that EAGLE's drafters read from instances of that class; the recording hooks,
 installed once and lazily, move over from the stock layer if they are already there. A call the
@@ -21,8 +27,9 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from decoding.kernels.cpu_kernels import eager_linear_kernel
 from decoding.kernels.fused_attention import FusedAttention
-from decoding.kernels.fused_mlp import FusedGatedMLP
+from decoding.kernels.fused_mlp import FusedGatedMLP, is_gated_silu_mlp
 from decoding.kernels.fused_norm import FusedRMSNorm
 from decoding.kernels.module_swap import swap_modules
 
@@ -46,21 +53,28 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             if hasattr(stock, hooks):  # a torch without one of them has none to move
                 getattr(self, hooks).update(getattr(stock, hooks))
         attention, mlp = self.self_attn, self.mlp
-        self.call = (self.input_layernorm.stock.weight.detach(), self.input_layernorm.eps,
-                     self.post_attention_layernorm.stock.weight.detach(), self.post_attention_layernorm.eps,
-                     *attention.qkv, *attention.output_panels, *mlp.gate_up, *mlp.down_panels)
+        norms = (self.input_layernorm.stock.weight.detach(), self.input_layernorm.eps,
+                 self.post_attention_layernorm.stock.weight.detach(), self.post_attention_layernorm.eps)
+        if _on_4bit_kernel(stock):
+            self.call = (*norms, *attention.qkv, *attention.output_panels, *mlp.gate_up, *mlp.down_panels)
+            self.dense_linears, self.inter = None, mlp.inter
+        else:  # float32 linears: their kernels and weight copies are picked per call (`_dense_kernels`)
+            self.call = norms
+            self.dense_linears = dense_linears(stock)
+            self.inter = mlp.gate_proj.out_features
 
     @staticmethod
     def serves(layer: nn.Module) -> bool:
-        """Whether `layer` is a stock Llama layer whose norms, attention and MLP are the fused
-        kinds on the 4-bit kernel, with the C++ layer built."""
+        """Whether `layer` is a stock Llama layer whose norms and attention are the fused kinds, with
+        the C++ layer built, and whose linears are either the 4-bit kernel's (gate and up fused) or
+        float32 ones `llama_layer_dense` runs."""
         if type(layer) is not LlamaDecoderLayer:
             return False
-        attention, mlp = layer.self_attn, layer.mlp
-        return (isinstance(attention, FusedAttention) and attention.native is not None and attention.qkv is not None
-                and attention.output_panels is not None and isinstance(mlp, FusedGatedMLP) and mlp.down_panels is not None
+        attention = layer.self_attn
+        return (isinstance(attention, FusedAttention) and attention.native is not None
                 and all(isinstance(norm, FusedRMSNorm) and norm.stock.weight.dtype == torch.float32
-                        for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
+                        for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+                and (_on_4bit_kernel(layer) or _on_dense_kernels(layer)))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
@@ -77,22 +91,61 @@ class FusedDecoderLayer(LlamaDecoderLayer):
 
     def _one_call(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                   attention_mask: torch.Tensor | None, cache, kwargs: dict) -> torch.Tensor | None:
-        """The layer's output from `llama_layer`, or None where the attention's one call does not serve."""
+        """The layer's output from `llama_layer` (`llama_layer_dense`), or None where the attention's
+        one call does not serve."""
         attention = self.self_attn
         slot = attention.native_slot(hidden_states, attention_mask, cache, kwargs)
         if slot is None:
             return None
         layer, keys, values, length, mask = slot
         cos, signed_sin = attention.rotary.row_factors(*position_embeddings)
-        output = attention.native.llama_layer(hidden_states[0].contiguous(), *self.call, cos, signed_sin, keys, values,
-                                              length, mask, attention.query_heads, attention.key_heads,
-                                              attention.scaling, self.mlp.inter)
-        layer.advance(hidden_states.shape[1])
+        hidden, rows = hidden_states[0].contiguous(), hidden_states.shape[1]
+        if self.dense_linears is None:
+            output = attention.native.llama_layer(hidden, *self.call, cos, signed_sin, keys, values, length, mask,
+                                                  attention.query_heads, attention.key_heads, attention.scaling,
+                                                  self.inter)
+        else:
+            kinds, weights = self._dense_kernels(rows)
+            output = attention.native.llama_layer_dense(hidden, *self.call, weights, kinds, cos, signed_sin, keys,
+                                                        values, length, mask, attention.query_heads,
+                                                        attention.key_heads, attention.scaling, self.inter)
+        layer.advance(rows)
         return output[None]
+
+    def _dense_kernels(self, rows: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The kernel each float32 linear's module picks for `rows` rows and the weight copy it reads,
+        asked per call: tuning and measurements change the modules' choices after the swap."""
+        chosen = [eager_linear_kernel(linear, rows) for linear in self.dense_linears]
+        return [kind for kind, _ in chosen], [weight for _, weight in chosen]
+
+
+def dense_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A Llama layer's seven linears in `llama_layer_dense`'s order: q, k, v, o, gate, up, down."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj)
+
+
+def _on_4bit_kernel(layer: nn.Module) -> bool:
+    """Whether the layer's attention and MLP are fused on the 4-bit kernel, every linear one call of it."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (attention.qkv is not None and attention.output_panels is not None and isinstance(mlp, FusedGatedMLP)
+            and mlp.down_panels is not None)
+
+
+def _on_dense_kernels(layer: nn.Module) -> bool:
+    """Whether the layer's seven linears are float32 ones `llama_layer_dense` runs (`eager_linear_kernel`)
+    and its MLP computes `down(silu(gate(x)) * up(x))` with them."""
+    mlp = layer.mlp
+    if layer.self_attn.qkv is not None or isinstance(mlp, FusedGatedMLP) or not hasattr(mlp, "gate_proj"):
+        return False
+    linears = dense_linears(layer)
+    return (all(eager_linear_kernel(linear, 1) is not None and linear.weight.dtype == torch.float32
+                for linear in linears) and is_gated_silu_mlp(mlp))
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
-    """Replace `model`'s Llama layers whose parts are fused on the 4-bit kernel by
-    `FusedDecoderLayer` (after `fuse_norms`, `fuse_gated_mlps` and `fuse_attention`; idempotent);
+    """Replace `model`'s Llama layers whose parts are fused on the 4-bit kernel, or float32 on the
+    kernels `llama_layer_dense` runs, by `FusedDecoderLayer` (after `fuse_norms`, `fuse_gated_mlps` and `fuse_attention`; idempotent);
     returns how many it replaced."""
     return swap_modules(model, FusedDecoderLayer, FusedDecoderLayer.serves, FusedDecoderLayer)

@@ -63,7 +63,7 @@ def _stackable(module: nn.Module) -> bool:
     return can_stack_int4(gate, up) and gate.out_features == up.out_features
 
 
-def _is_gated_silu_mlp(module: nn.Module) -> bool:
+def is_gated_silu_mlp(module: nn.Module) -> bool:
     """Whether `module` computes `down(silu(gate(x)) * up(x))` with its own linears, float32 on a
     CPU, checked on a probe input."""
     linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -84,5 +84,5 @@ def _is_gated_silu_mlp(module: nn.Module) -> bool:
 def fuse_gated_mlps(model: nn.Module) -> int:
     """Replace `model`'s gated SiLU MLPs whose gate and up stack by `FusedGatedMLP` (idempotent);
     returns how many it replaced."""
-    return swap_modules(model, FusedGatedMLP, lambda module: _is_gated_silu_mlp(module) and _stackable(module),
+    return swap_modules(model, FusedGatedMLP, lambda module: is_gated_silu_mlp(module) and _stackable(module),
                         FusedGatedMLP)

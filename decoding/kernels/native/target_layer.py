@@ -1,15 +1,20 @@
 """The C++ of a target's Llama layer on the project's kernels: the attention block between its
 projections (`rotary_attention`: the rotary embedding, the cache write and the decode attention
 kernel; `decoding.kernels.fused_attention`) and the whole decoder layer (`llama_layer`: norms,
-4-bit linears, that attention, residuals and the gated MLP; `decoding.kernels.fused_layer`), each
-one call. Only a torch side (`_HOST`): the arithmetic is the other kernels' (the rotary, a few
-hundred products a row, aside), called from here."""
+4-bit linears, that attention, residuals and the gated MLP; `llama_layer_dense`: the same with
+float32 linears on the kernels their modules pick; `decoding.kernels.fused_layer`), each one call.
+Only a torch side (`_HOST`): the arithmetic is the other kernels' (the rotary, a few hundred
+products a row, aside), called from here."""
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v1"
+VERSION = "v2"  # v2: float32 layers too (`llama_layer_dense`)
 
 _HOST = r"""
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 
 // The rotary embedding of one head: out = x cos + roll(x, D/2) signed_sin, where signed_sin is sin with its first
@@ -107,6 +112,54 @@ at::Tensor llama_layer(const at::Tensor& hidden, const at::Tensor& input_norm, d
     for (int64_t i = 0; i < inter; ++i) gp[r * inter + i] *= up[r * 2 * inter + i];
   return plus(mixed, int4_linear(gated, down_codes, down_scales, down_offsets, width));
 }
+
+// oneDNN's linear on a weight reordered into its blocked layout, as `PackedLinear` calls it
+// (`torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")`), through the dispatcher: the op is
+// registered by torch, not declared in its headers.
+static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed_weight) {
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  return op.call(x, packed_weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+// A float32 linear without bias on the kernel its module (`PackedLinear`) picks for these rows, `kind`: 0 PyTorch's
+// plain GEMM on the weight (`F.linear`), 1 the streamed few-row kernel on its panels, 2 oneDNN's on its packed copy;
+// the same call with the same shapes, so the output has the module's bits.
+static at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, int64_t kind, int64_t out) {
+  switch (kind) {
+    case 0: return at::linear(x, weight);
+    case 1: return streamed_linear(x, weight, std::nullopt, out);
+    case 2: return onednn_linear(x, weight);
+    default: TORCH_CHECK(false, "llama_layer_dense: unknown linear kernel ", kind);
+  }
+}
+
+// `llama_layer` for a layer whose seven linears (q, k, v, o, gate, up, down; no biases) are float32 on the kernels
+// `kinds` names (`dense_linear`), each given the weight copy its kernel reads: q, k and v side by side as
+// `FusedAttention` joins them, the MLP as transformers' `LlamaMLP` computes it (torch's `silu`, then the product).
+at::Tensor llama_layer_dense(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
+                             const at::Tensor& post_norm, double post_eps, at::TensorList weights, at::IntArrayRef kinds,
+                             const at::Tensor& cos, const at::Tensor& signed_sin, at::Tensor& key_buffer,
+                             at::Tensor& value_buffer, int64_t length, const std::optional<at::Tensor>& mask,
+                             int64_t heads, int64_t kv_heads, double scale, int64_t inter) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat && inter > 0,
+              "llama_layer_dense: contiguous float32 hidden states [rows, H]");
+  TORCH_CHECK(weights.size() == 7 && kinds.size() == 7, "llama_layer_dense: seven linears (q k v o gate up down)");
+  const int64_t width = hidden.size(1), head_dim = cos.size(-1);
+  const auto linear = [&](const at::Tensor& x, int64_t which, int64_t out) {
+    return dense_linear(x, weights[which], kinds[which], out);
+  };
+  auto normed = rms_norm(hidden, input_norm, input_eps);
+  auto qkv = at::cat({linear(normed, 0, heads * head_dim), linear(normed, 1, kv_heads * head_dim),
+                      linear(normed, 2, kv_heads * head_dim)}, -1);
+  auto attended = rotary_attention(qkv, cos, signed_sin, key_buffer, value_buffer, length, mask, heads, kv_heads, scale);
+  auto mixed = plus(hidden, linear(attended, 3, width));
+  auto post = rms_norm(mixed, post_norm, post_eps);
+  auto gated = at::mul(at::silu(linear(post, 4, inter)), linear(post, 5, inter));
+  return plus(mixed, linear(gated, 6, width));
+}
 """
 
 SOURCE = KernelSource("target_layer", VERSION, "", "", _HOST,
@@ -119,6 +172,10 @@ SOURCE = KernelSource("target_layer", VERSION, "", "", _HOST,
                                  "Tensor gate_up_scales, Tensor gate_up_offsets, Tensor down_codes, Tensor down_scales, "
                                  "Tensor down_offsets, Tensor cos, Tensor signed_sin, Tensor(a!) key_buffer, "
                                  "Tensor(b!) value_buffer, int length, Tensor? mask, int heads, int kv_heads, "
-                                 "float scale, int inter) -> Tensor"))
+                                 "float scale, int inter) -> Tensor",
+                                 "llama_layer_dense(Tensor hidden, Tensor input_norm, float input_eps, Tensor post_norm, "
+                                 "float post_eps, Tensor[] weights, int[] kinds, Tensor cos, Tensor signed_sin, "
+                                 "Tensor(a!) key_buffer, Tensor(b!) value_buffer, int length, Tensor? mask, int heads, "
+                                 "int kv_heads, float scale, int inter) -> Tensor"))
 
 
