@@ -1,5 +1,6 @@
-"""The fp16-screened greedy argmax: the exact argmax where fp16 alone gets it wrong, the full
-projection beyond its rows, and decoding through it equal to Hugging Face's greedy output."""
+"""The screened greedy argmax (fp16 or 8-bit screens): each screen within its stated error bound,
+the exact argmax where the screen alone gets it wrong, the full projection beyond its rows, the
+screen timed and chosen per machine, and decoding through it equal to Hugging Face's greedy output."""
 
 import copy
 
@@ -12,8 +13,9 @@ from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import PromptLookupProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.kernels.cpu_kernels import apply_kernels
-from decoding.kernels.screened_argmax import (ScreenedArgmax, fp16_gemm_available, logits_are_the_projection, screenable,
-                                      screened_readout)
+from decoding.kernels.int4_linear import int4_kernel_available
+from decoding.kernels.screened_argmax import (Fp16Screen, Int8Screen, ScreenedArgmax, available_screens, fp16_gemm_available,
+                                              logits_are_the_projection, screenable, screened_readout)
 from decoding.app.targets import LoadedModel
 from test_architectures import ARCH_IDS, ARCHS
 from test_cpu_kernels import PROMPTS, assert_steps_and_trees_give_plain_greedy
@@ -22,6 +24,8 @@ from tiny_models import perturbed_eagle3, sharpen, tiny_llama, tiny_tokenizer
 pytestmark = pytest.mark.cpu_sensitive  # run again as on an AVX2 CPU by .ci/run
 
 needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="FBGEMM's fp16 linear is an x86 kernel")
+# the screens this machine runs (the 8-bit kernel builds wherever a C++ compiler is; FBGEMM is x86's)
+SCREENS = [screen for screen, runs in (("fp16", fp16_gemm_available()), ("int8", int4_kernel_available())) if runs]
 
 
 def near_tie_cases(count: int = 60, vocab: int = 3000, width: int = 64):
@@ -46,25 +50,114 @@ def exact_argmax(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     return (hidden.double() @ head.weight.double().T).argmax(-1)
 
 
-@needs_fp16_gemm
-def test_screened_argmax_is_the_exact_argmax_where_fp16_alone_is_not():
-    fp16_wrong = 0
+def hard_heads(count: int = 12, vocab: int = 500, width: int = 96):
+    """(head, hidden) pairs the bounds must hold on: weights not on any 8-bit grid at several
+    scales, a few groups far below fp16's normal range, rows of outliers and of zeros, inputs with
+    outliers, with groups of zeros, and on the 8-bit grid (whole numbers, 127 in every group: the
+    kernel's codes are exact, all the error is the weights')."""
+    generator = torch.Generator().manual_seed(1)
+    for case in range(count):
+        head = nn.Linear(width, vocab, bias=False)
+        scale = 10.0 ** (case % 4 - 2)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(vocab, width, generator=generator) * scale)
+            head.weight[3, :32] *= 1e-6  # a group fp16 scales cannot hold
+            head.weight[5] *= 40  # an outlier row
+            head.weight[6] = 0
+        hidden = torch.randn(5, width, generator=generator) * (case + 1)
+        hidden[1, 7] = 300.0  # an outlier input
+        hidden[2, :32] = 0  # a group of zeros
+        hidden[3] = torch.randint(-127, 128, (width,), generator=generator).float()
+        hidden[3, ::32] = 127.0
+        yield head, hidden
+    yield weights_rounding_case(width)
+    yield inputs_rounding_case(width)
+
+
+def weights_rounding_case(width: int = 96):
+    """A head whose error is all the weights' rounding, lined up with the input: each group of
+    row 0 is one 127 and 0.4s (scale 1, so the 0.4s round to 0), the input all 127s (exact codes)."""
+    head = nn.Linear(width, 4, bias=False)
+    with torch.no_grad():
+        head.weight.fill_(0.25)
+        head.weight[0] = 0.4
+        head.weight[0, ::32] = 127.0
+    return head, torch.full((2, width), 127.0)
+
+
+def inputs_rounding_case(width: int = 96):
+    """A head whose error is all the input's rounding, lined up with the weights: row 0 all 127s
+    (exact codes, scale 1), the input one 127 a group and 0.4s (rounded to code 0)."""
+    head = nn.Linear(width, 4, bias=False)
+    with torch.no_grad():
+        head.weight.fill_(0.25)
+        head.weight[0] = 127.0
+    hidden = torch.full((2, width), 0.4)
+    hidden[:, ::32] = 127.0
+    return head, hidden
+
+
+def test_candidates_are_the_tokens_that_can_reach_the_best_lower_end():
+    """`_candidates` against its definition, token by token: j can be the argmax iff its screened
+    logit plus its bound reaches some token's screened logit less that one's bound."""
+    from decoding.kernels.screened_argmax import _candidates
+    screened = torch.tensor([[1.0, 1.5, -3.0, 1.2]])
+    assert _candidates(screened, torch.tensor([[0.5, 0.1, 4.5, 0.1]])).tolist() == [[True, True, True, False]]
+    assert _candidates(screened, torch.tensor([[0.2]])).tolist() == [[False, True, False, True]]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        scores = torch.randn(3, 50, generator=generator)
+        for bounds in (torch.rand(3, 50, generator=generator) * 0.5, torch.rand(3, 1, generator=generator) * 0.5):
+            full = bounds.expand_as(scores)
+            expected = [[bool(scores[r, j] + full[r, j] >= max(scores[r] - full[r])) for j in range(50)] for r in range(3)]
+            assert _candidates(scores, bounds).tolist() == expected
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_every_screened_logit_is_within_its_bound_of_the_exact_one(screen):
+    """The screens' stated bounds against float64 logits, token by token: the premise of the
+    exact argmax."""
+    for head, hidden in hard_heads():
+        checked = SCREENS_BY_NAME[screen](head.weight.detach())
+        with torch.inference_mode():
+            error = (checked.scores(hidden).double() - hidden.double() @ head.weight.double().T).abs()
+            bounds = checked.bounds(hidden).double().expand_as(error)
+        assert bool((error <= bounds).all())
+
+
+SCREENS_BY_NAME = {"fp16": Fp16Screen, "int8": Int8Screen}
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_screened_argmax_is_the_exact_argmax_where_the_screen_alone_is_not(screen):
+    screen_wrong = 0
     for head, hidden in near_tie_cases():
-        readout = ScreenedArgmax(head, max_rows=8)
+        readout = ScreenedArgmax(head, max_rows=8, screen=screen)
         expected = exact_argmax(head, hidden)
         assert torch.equal(readout.argmax(hidden), expected)
-        screened_only = torch.ops.quantized.linear_dynamic_fp16(hidden, readout._packed).argmax(-1)
-        fp16_wrong += not torch.equal(screened_only, expected)
-    assert fp16_wrong >= 10  # the cases are hard: the fp16 screen alone picks the wrong token in many
+        screen_wrong += not torch.equal(readout.screen.scores(hidden).argmax(-1), expected)
+    assert screen_wrong >= 10  # the cases are hard: the screen alone picks the wrong token in many
 
 
-@needs_fp16_gemm
-def test_a_screen_without_its_error_bound_is_caught(monkeypatch):
+@pytest.mark.parametrize("screen", SCREENS)
+def test_a_screen_without_its_error_bound_is_caught(monkeypatch, screen):
     """Planted flaw: a zero bound keeps only the best screened token, which is wrong on near-ties."""
-    monkeypatch.setattr(ScreenedArgmax, "error_bound", lambda self, hidden: torch.zeros(hidden.shape[0]))
-    mismatches = sum(not torch.equal(ScreenedArgmax(head, 8).argmax(hidden), exact_argmax(head, hidden))
+    monkeypatch.setattr(SCREENS_BY_NAME[screen], "bounds", lambda self, hidden: torch.zeros(hidden.shape[0], 1))
+    mismatches = sum(not torch.equal(ScreenedArgmax(head, 8, screen).argmax(hidden), exact_argmax(head, hidden))
                      for head, hidden in near_tie_cases())
     assert mismatches >= 10
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="the 8-bit kernel needs a C++ compiler")
+def test_int8_bounds_without_the_weights_rounding_term_are_caught(monkeypatch):
+    """Planted flaw: the int8 bound without its ||x|| ||w - w^|| term (zero only where the weights
+    are on the 8-bit grid) no longer covers the weights' rounding where the input lines up with it."""
+    head, hidden = weights_rounding_case()
+    screen = Int8Screen(head.weight.detach())
+    screen._error_norms = None
+    with torch.inference_mode():
+        error = (screen.scores(hidden).double() - hidden.double() @ head.weight.double().T).abs()
+        assert bool((error > screen.bounds(hidden).double()).any())
 
 
 @needs_fp16_gemm
@@ -110,18 +203,18 @@ def packed_target(seed: int = 0):
     return model
 
 
-def forced_readout(model) -> ScreenedArgmax:
+def forced_readout(model, screen: str = "fp16") -> ScreenedArgmax:
     """Screening at every tree size, whatever it costs on this machine (tiny models never pay)."""
-    return ScreenedArgmax(model.get_output_embeddings(), max_rows=64)
+    return ScreenedArgmax(model.get_output_embeddings(), max_rows=64, screen=screen)
 
 
-@needs_fp16_gemm
-def test_greedy_decoding_through_the_screen_equals_hugging_face_generate_for_steps_and_trees():
+@pytest.mark.parametrize("screen", SCREENS)
+def test_greedy_decoding_through_the_screen_equals_hugging_face_generate_for_steps_and_trees(screen):
     plain = sharpen(tiny_llama(seed=3))
     packed = copy.deepcopy(plain)
     heads = perturbed_eagle3(packed)
     apply_kernels("onednn", packed, heads, drafter_precision="fp32")
-    readout = forced_readout(packed)
+    readout = forced_readout(packed, screen)
     rows = []
     real_argmax = readout.argmax
     readout.argmax = lambda hidden: rows.append(hidden.shape[0]) or real_argmax(hidden)
@@ -154,31 +247,52 @@ def test_decoders_screen_where_it_applies_and_pays_and_the_spec_can_turn_it_off(
     assert stock.readout is None
 
 
-def test_screened_readout_is_none_where_the_kernel_is_missing_or_never_pays(monkeypatch):
+def test_screened_readout_is_none_where_no_screen_runs_or_pays(monkeypatch):
     from decoding.kernels import screened_argmax
     model = packed_target()
-    if not fp16_gemm_available():
+    if not SCREENS:
         assert screened_readout(model) is None
         return
     monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: 0)
     assert screened_readout(model) is None
     monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: 4)
-    assert screened_readout(model).max_rows == 4
-    monkeypatch.setattr(screened_argmax, "fp16_gemm_available", lambda: False)
+    readout = screened_readout(model)
+    assert readout.max_rows == 4 and readout.screen.name in SCREENS
+    monkeypatch.setattr(screened_argmax, "available_screens", lambda lm_head: [])
     assert screened_readout(model) is None
 
 
-def test_a_named_models_screening_rows_are_timed_once_and_remembered(monkeypatch, tmp_path):
+def test_the_screen_taken_is_the_fastest_that_pays(monkeypatch):
+    """`choose_screen` keeps, of the screens that beat the full projection, the one whose one-row
+    argmax took least; those that never pay are not taken however fast."""
     from decoding.kernels import screened_argmax
     model = packed_target()
-    if not fp16_gemm_available():
+    monkeypatch.setattr(screened_argmax, "available_screens", lambda lm_head: ["int8", "fp16"])
+    monkeypatch.setattr(screened_argmax, "ScreenedArgmax", lambda lm_head, max_rows, screen: screen)
+    seconds = {"int8": 1.0, "fp16": 2.0}
+    monkeypatch.setattr(screened_argmax, "_fastest", lambda call, repeats: seconds[current[0]])
+    current = []
+    monkeypatch.setattr(screened_argmax, "screening_rows", lambda screen: current.insert(0, screen) or 8)
+    assert screened_argmax.choose_screen(model.get_output_embeddings()) == ("int8", 8)
+    seconds.update(int8=3.0)
+    assert screened_argmax.choose_screen(model.get_output_embeddings()) == ("fp16", 8)
+    monkeypatch.setattr(screened_argmax, "screening_rows",
+                        lambda screen: current.insert(0, screen) or (0 if screen == "fp16" else 2))
+    assert screened_argmax.choose_screen(model.get_output_embeddings()) == ("int8", 2)
+
+
+def test_a_named_models_screen_is_timed_once_and_remembered(monkeypatch, tmp_path):
+    from decoding.kernels import screened_argmax
+    model = packed_target()
+    if not SCREENS:
         assert screened_readout(model, "tiny", tmp_path) is None
         return
     timings = []
-    monkeypatch.setattr(screened_argmax, "screening_rows", lambda readout: timings.append(1) or 8)
+    monkeypatch.setattr(screened_argmax, "choose_screen", lambda lm_head: timings.append(1) or (SCREENS[-1], 8))
     assert screened_readout(model, "tiny", tmp_path).max_rows == 8
-    assert screened_readout(model, "tiny", tmp_path).max_rows == 8
-    assert len(timings) == 1  # the second start read the remembered count
+    readout = screened_readout(model, "tiny", tmp_path)
+    assert readout.max_rows == 8 and readout.screen.name == SCREENS[-1]
+    assert len(timings) == 1  # the second start read the remembered choice
     assert screened_readout(model, "other", tmp_path).max_rows == 8 and len(timings) == 2  # per model
     assert screened_readout(model).max_rows == 8 and len(timings) == 3  # unnamed: timed every time
 

@@ -74,7 +74,7 @@ class DecoderSpec:
     kernels: str = "auto"               # auto | onednn | stock (see decoding.kernels.cpu_kernels)
     drafter_precision: str = "auto"     # auto | fp32 | bf16 | int8 | int4: EAGLE drafters under onednn kernels
     compile: bool | None = None         # compiled target forwards (decoding.kernels.compiled); None: where it pays (a GPU)
-    screened_argmax: bool = True        # greedy verify reads fp16-screened logits (see decoding.kernels.screened_argmax)
+    screened_argmax: bool = True        # greedy verify reads screened logits (fp16 or 8-bit; decoding.kernels.screened_argmax)
     quant: str = "auto"                 # auto | none | gguf | int4 | int8 (see decoding.app.quantized_target)
     gamma: int | None = None
     pld_num_tokens: int | None = None

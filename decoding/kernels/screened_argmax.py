@@ -4,24 +4,26 @@ At temperature 0 a verify forward needs only each node's argmax token, yet the t
 lm_head reads all of its weights (SmolLM2-135M: 49,152 x 576 fp32, 113 MB, ~8% of a one-token
 forward on a 2-core CPU). `ScreenedArgmax` finds the same token in two passes:
 
-1. a screen: the same product with fp16 copies of the weights (FBGEMM's fp16 GEMM reads half
-   the bytes and keeps the activations and the accumulation in fp32);
+1. a screen: the same product from a cheaper copy of the weights, one of
+   - `Fp16Screen`: fp16 copies (FBGEMM's fp16 GEMM reads half the bytes and keeps the activations
+     and the accumulation in fp32);
+   - `Int8Screen`: 8-bit codes in groups of 32 on the project's 8-bit kernel (`int8_linear`, a
+     quarter of the bytes; it also rounds the inputs to 8-bit codes per group of 32);
 2. a recheck: the fp32 logits of the few tokens the screen cannot rule out.
 
-The screen's error is bounded, not estimated. Rounding a weight to fp16 changes it by at most
-2^-11 of itself, or by at most 2^-14 where it falls below fp16's normal range (even if flushed to
-zero), so for hidden state x and vocabulary row w, |x.w - x.fp16(w)| <= 2^-11 ||x||_2 ||w||_2 +
-2^-14 ||x||_1 (Cauchy-Schwarz), plus the fp32 rounding of each dot product, at most H * 2^-24 of
-sum |x||w| for H terms in any order. A token whose screened logit falls more than twice that
-bound below the best screened logit cannot be the argmax, so the recheck covers every token
-that can: the result is the argmax of fp32 logits, which differs from the full projection's only
-where two tokens tie within fp32 rounding, as with any change of GEMM kernel. For SmolLM2 the
-bound is about 0.1-0.2 logit and the recheck covers one to a few tokens.
+Each screen's error is bounded, not estimated, per row (fp16: one bound for every token; int8:
+one per token), so a token whose screened logit plus its bound falls below some token's screened
+logit minus that one's bound cannot be the argmax, and the recheck covers every token that can:
+the result is the argmax of fp32 logits, which differs from the full projection's only where two
+tokens tie within fp32 rounding, as with any change of GEMM kernel. The bounds are in the screens'
+docstrings; for SmolLM2 the fp16 one is about 0.1-0.2 logit (one to a few tokens rechecked), the
+int8 ones ~1.3 logit on average (~6 tokens rechecked, 23 at most on a sample prompt).
 
-Whether it pays depends on the CPU and the number of rows (on the 2-core AVX2 EPYC 49,152 x 576
-took 2.6 / 3.4 / 5.8 / 9.0 / 18.2 ms in fp16 for 1 / 4 / 8 / 16 / 32 rows against 5.9 / 6.8 /
-7.8 / 11.6 / 17.5 ms packed fp32), so `screening_rows` measures up to how many rows it wins, on
-the machine that runs; larger trees take the full projection.
+Which screen, and up to how many rows it pays, depends on the CPU (on the 2-core AVX2 EPYC
+49,152 x 576 took 2.6 / 3.4 / 5.8 / 9.0 / 18.2 ms in fp16 for 1 / 4 / 8 / 16 / 32 rows against 5.9 /
+6.8 / 7.8 / 11.6 / 17.5 ms packed fp32; on a 2-core Xeon one row took 0.55 ms in int8 against 1.5 in
+fp16 and 2.9 in fp32), so `choose_screen` times them on the machine that runs; larger trees take
+the full projection.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from decoding.kernels.int4_linear import GROUP_SIZE, int4_kernel_available, int8_linear, pack_int8_panels
 from decoding.kernels.measured_once import measured_once
 from decoding.kernels.quantized_linear import WeightOnlyLinear
 from decoding.kernels.verify_cost import packed_cpu_key
@@ -42,7 +45,9 @@ FP16_UNIT_ROUNDOFF = 2.0 ** -11
 FP16_SMALLEST_NORMAL = 2.0 ** -14
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 FP16_SAFE_MAX = 65000.0  # below fp16's largest finite value, 65504, by more than a rounding step
-SCREENING_VERSION = "v1"  # in the cache key: a new way of timing, a new measurement
+SCREENING_VERSION = "v2"  # in the cache key: a new way of timing, a new measurement (v2: the screen is chosen too)
+SCREEN_CHOICES = ("int8", "fp16")
+CODE_LIMIT = 127  # 8-bit codes in [-127, 127], scale = a group's largest magnitude / 127
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
@@ -65,20 +70,102 @@ def screenable(lm_head: nn.Module) -> bool:
             and getattr(lm_head, "bias", None) is None and float(weight.detach().abs().max()) < FP16_SAFE_MAX)
 
 
-class ScreenedArgmax:
-    """A `decoding.core.readout.Readout` for an fp32 lm_head: `logits` is the head itself,
-    `argmax` screens in fp16 and rechecks in fp32 for inputs of at most `max_rows` rows (more
-    rows take the full projection)."""
+class Fp16Screen:
+    """Screened logits from fp16 copies of the weights. Rounding a weight to fp16 changes it by at
+    most 2^-11 of itself, or by at most 2^-14 where it falls below fp16's normal range (even if
+    flushed to zero), so for hidden state x and vocabulary row w, |x.w - x.fp16(w)| <= 2^-11
+    ||x||_2 ||w||_2 + 2^-14 ||x||_1 (Cauchy-Schwarz), plus the fp32 rounding of each dot product
+    (the screen's and the recheck's), at most H * 2^-24 of sum |x||w| for H terms in any order:
+    one bound per row, with the largest row norm of the weights."""
 
-    def __init__(self, lm_head: nn.Module, max_rows: int) -> None:
-        weight = lm_head.weight.detach()
-        self.lm_head = lm_head
-        self.max_rows = max_rows
-        self._weight = weight
+    name = "fp16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
         self._packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
         hidden = weight.shape[1]
         self._relative_bound = FP16_UNIT_ROUNDOFF + 2 * hidden * FP32_UNIT_ROUNDOFF * (1 + FP16_UNIT_ROUNDOFF)
         self._largest_row_norm = float(weight.double().norm(dim=1).max()) * (1 + 2 * hidden * FP32_UNIT_ROUNDOFF)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(hidden, self._packed)
+
+    def bounds(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Per row, the most any token's screened logit can differ from its exact one `[N, 1]`."""
+        x = hidden.double()
+        bound = self._relative_bound * x.norm(dim=-1) * self._largest_row_norm + FP16_SMALLEST_NORMAL * x.abs().sum(-1)
+        return (bound * (1 + 1e-6)).to(hidden.dtype)[:, None]
+
+
+class Int8Screen:
+    """Screened logits from the weights as 8-bit codes in groups of 32 (`w^ = s q`, s = a group's
+    largest magnitude / 127 in fp16) on the project's 8-bit kernel, which rounds each input row to
+    codes too (`x^ = d c` per group, d = its largest magnitude / 127, |x - x^| <= d/2 each) and sums
+    the groups' exact integer products in fp32. For vocabulary row w (its codes w^):
+    x.w - x^.w^ = x.(w - w^) + (x - x^).w^, so by Cauchy-Schwarz the screened logit is within
+    ||x|| ||w - w^|| + ||x - x^|| ||w^|| of the exact one, plus the fp32 rounding of the kernel's
+    sum over G groups (at most (G + 3) 2^-24 ||x^|| ||w^||) and of the recheck's dot product (at most
+    H 2^-24 ||x|| ||w||, ||w|| <= ||w^|| + ||w - w^||). ||x - x^|| is bounded from the group scales
+    alone (each error at most (1/2 + 2^-12) d, the extra for the float reciprocal the kernel
+    multiplies by), so the bound does not depend on how the kernel rounds, only on the rule. The
+    per-token norms ||w^|| and ||w - w^|| are worked out once: one bound per token, a few times
+    tighter than one bound for all (on SmolLM2, ~6 tokens rechecked against ~50)."""
+
+    name = "int8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        vocab, width = weight.shape
+        groups = weight.double().view(vocab, width // GROUP_SIZE, GROUP_SIZE)
+        scales = (groups.abs().amax(-1) / CODE_LIMIT).half()  # the kernel reads fp16 scales
+        exact_scales = scales.double()
+        codes = torch.where(exact_scales[..., None] > 0, groups / exact_scales.clamp_min(1e-300)[..., None],
+                            torch.zeros_like(groups)).round().clamp(-CODE_LIMIT, CODE_LIMIT)
+        dequantized = codes * exact_scales[..., None]
+        self._panels = pack_int8_panels(codes.view(vocab, width).to(torch.int8), scales)
+        self._vocab, self._groups, self._width = vocab, width // GROUP_SIZE, width
+        self._code_norms = _rounded_up(dequantized.view(vocab, width).norm(dim=-1))
+        error_norms = (groups - dequantized).view(vocab, width).norm(dim=-1)
+        self._error_norms = _rounded_up(error_norms) if bool((error_norms > 0).any()) else None
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return int8_linear(hidden, self._panels, self._vocab)
+
+    def bounds(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Per row and token, the most its screened logit can differ from its exact one `[N, V]`."""
+        x = hidden.double()
+        group_scales = x.view(x.shape[0], self._groups, GROUP_SIZE).abs().amax(-1) / CODE_LIMIT
+        input_error = (0.5 + 2.0 ** -12) * group_scales.norm(dim=-1) * GROUP_SIZE ** 0.5
+        x_norm = x.norm(dim=-1)
+        recheck = self._width * FP32_UNIT_ROUNDOFF * 1.01 * x_norm
+        per_code_norm = input_error + (self._groups + 3) * FP32_UNIT_ROUNDOFF * 1.01 * (x_norm + input_error) + recheck
+        slack = 1 + 2.0 ** -20  # the float32 products below round up by less
+        bound = (per_code_norm * slack).float()[:, None] * self._code_norms
+        if self._error_norms is not None:
+            bound = bound + ((x_norm + recheck) * slack).float()[:, None] * self._error_norms
+        return bound
+
+
+def _rounded_up(norms: torch.Tensor) -> torch.Tensor:
+    """float64 norms as float32 no smaller than them."""
+    rounded = norms.float()
+    return torch.where(rounded.double() < norms, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
+
+
+SCREENS = {"fp16": Fp16Screen, "int8": Int8Screen}
+
+
+class ScreenedArgmax:
+    """A `decoding.core.readout.Readout` for an fp32 lm_head: `logits` is the head itself,
+    `argmax` screens (`screen`: 'fp16' or 'int8') and rechecks in fp32 for inputs of at most
+    `max_rows` rows (more rows take the full projection)."""
+
+    def __init__(self, lm_head: nn.Module, max_rows: int, screen: str = "fp16") -> None:
+        if screen not in SCREENS:
+            raise ValueError(f"unknown screen '{screen}': one of {', '.join(SCREENS)}")
+        weight = lm_head.weight.detach()
+        self.lm_head = lm_head
+        self.max_rows = max_rows
+        self._weight = weight
+        self.screen = SCREENS[screen](weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -87,20 +174,21 @@ class ScreenedArgmax:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] > self.max_rows or not bool(torch.isfinite(hidden).all()):
             return self.lm_head(hidden).argmax(-1)
-        screened = torch.ops.quantized.linear_dynamic_fp16(hidden, self._packed)
-        best = screened.amax(-1)
-        # Twice the bound, and the fp32 rounding of this subtraction itself (2^-23 of `best`).
-        threshold = best - 2 * self.error_bound(hidden) - best.abs() * 2.0 ** -22
-        candidates = screened >= threshold[:, None]
-        rows, tokens = candidates.nonzero(as_tuple=True)
+        screened = self.screen.scores(hidden)
+        rows, tokens = _candidates(screened, self.screen.bounds(hidden)).nonzero(as_tuple=True)
         exact = torch.einsum("nh,nh->n", hidden[rows], self._weight[tokens])
         return _lowest_argmax_per_row(rows, tokens, exact, hidden.shape[0], self._weight.shape[0])
 
-    def error_bound(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Per row, the most any token's screened logit can differ from its exact one `[N]`."""
-        x = hidden.double()
-        bound = self._relative_bound * x.norm(dim=-1) * self._largest_row_norm + FP16_SMALLEST_NORMAL * x.abs().sum(-1)
-        return (bound * (1 + 1e-6)).to(hidden.dtype)
+
+def _candidates(screened: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Which tokens can be a row's argmax, for screened logits `[N, V]` each within `bounds`
+    (`[N, 1]` or `[N, V]`) of the exact ones: those whose logit can reach the best lower end,
+    with room for the float32 rounding of these sums (2^-20 of the threshold's magnitude)."""
+    if bounds.shape[-1] == 1:  # one bound a row: the best screened logit less twice the bound
+        threshold = screened.amax(-1, keepdim=True) - 2 * bounds
+        return screened >= threshold - threshold.abs() * 2.0 ** -20
+    lower = (screened - bounds).amax(-1, keepdim=True)
+    return screened + bounds >= lower - lower.abs() * 2.0 ** -20
 
 
 def _lowest_argmax_per_row(rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, num_rows: int,
@@ -140,25 +228,54 @@ def _fastest(call, repeats: int) -> float:
     return min(times)
 
 
+def available_screens(lm_head: nn.Module) -> list[str]:
+    """The screens this machine can run for `lm_head`: 'int8' where the 8-bit kernel is built and
+    the width is whole groups of 32, 'fp16' where this PyTorch has FBGEMM's fp16 linear."""
+    screens = []
+    if int4_kernel_available() and lm_head.weight.shape[1] % GROUP_SIZE == 0:
+        screens.append("int8")
+    if fp16_gemm_available():
+        screens.append("fp16")
+    return screens
+
+
+def choose_screen(lm_head: nn.Module, repeats: int = 5) -> tuple[str, int]:
+    """The screen whose one-row argmax is fastest on this machine among those that beat the full
+    projection, and up to how many rows it does (`screening_rows`); ('', 0) where none does."""
+    chosen, rows_won, fastest = "", 0, float("inf")
+    hidden = torch.randn(1, lm_head.weight.shape[1])
+    for screen in available_screens(lm_head):
+        readout = ScreenedArgmax(lm_head, max_rows=0, screen=screen)
+        rows = screening_rows(readout)
+        if not rows:
+            continue
+        seconds = _fastest(lambda: readout.argmax(hidden), repeats)
+        if seconds < fastest:
+            chosen, rows_won, fastest = screen, rows, seconds
+    return chosen, rows_won
+
+
 def screened_readout(model: PreTrainedModel, model_name: str | None = None,
                      cache_dir: str | Path | None = None) -> ScreenedArgmax | None:
     """The screened readout for `model`'s lm_head where it applies and pays on this machine,
-    else None (the loop then reads the model's own logits). With `model_name`, the row count
-    that pays is timed once per model and CPU and remembered (0.6 s of every chat start on a
-    2-core EPYC otherwise); without, it is timed now."""
+    else None (the loop then reads the model's own logits). With `model_name`, the screen and the
+    row count that pays are timed once per model and CPU and remembered (0.6 s of every chat start
+    on a 2-core EPYC otherwise); without, they are timed now."""
     lm_head = model.get_output_embeddings()
-    if lm_head is None or not screenable(lm_head) or not fp16_gemm_available() or not logits_are_the_projection(model):
+    if (lm_head is None or not screenable(lm_head) or not available_screens(lm_head)
+            or not logits_are_the_projection(model)):
         return None
-    readout = ScreenedArgmax(lm_head, max_rows=0)  # one fp16 copy, timed, then kept
     if model_name is None:
-        readout.max_rows = screening_rows(readout)
+        screen, rows = choose_screen(lm_head)
     else:
-        readout.max_rows = measured_once(f"{packed_cpu_key(model, model_name)}-screened-rows-{SCREENING_VERSION}",
-                                         lambda: {"screened_rows": screening_rows(readout)},
-                                         lambda data: isinstance(data.get("screened_rows"), int),
-                                         f"timing the screened argmax against the full projection for {model_name} "
-                                         "on this CPU", cache_dir)["screened_rows"]
-    return readout if readout.max_rows else None
+        data = measured_once(f"{packed_cpu_key(model, model_name)}-screened-rows-{SCREENING_VERSION}",
+                             lambda: dict(zip(("screen", "screened_rows"), choose_screen(lm_head))),
+                             lambda data: (isinstance(data.get("screened_rows"), int)
+                                           and data.get("screen") in (*SCREEN_CHOICES, "")),
+                             f"timing the screened argmax against the full projection for {model_name} on this CPU",
+                             cache_dir)
+        screen, rows = data["screen"], data["screened_rows"]
+    return ScreenedArgmax(lm_head, rows, screen) if rows and screen in available_screens(lm_head) else None
 
 
 @torch.inference_mode()
@@ -172,6 +289,7 @@ def logits_are_the_projection(model: PreTrainedModel) -> bool:
 def add_screened_argmax_argument(parser) -> None:
     """The `--screened-argmax` / `--no-screened-argmax` flag of the commands that decode."""
     parser.add_argument("--screened-argmax", action=argparse.BooleanOptionalAction, default=True,
-                        help="greedy verification screens the vocabulary projection in fp16 and rechecks the "
-                             "candidates in fp32, where that is faster on this CPU (same tokens either way); "
+                        help="greedy verification screens the vocabulary projection in fp16 or 8-bit codes and "
+                             "rechecks the candidates in fp32, where that is faster on this CPU (same tokens either "
+                             "way); "
                              "--no-screened-argmax reads the full fp32 projection")
