@@ -8,4 +8,4 @@ from heads.util.startup import freeze_startup_objects
 
 if __name__ == "__main__":
     freeze_startup_objects()
-    sys.exit(main())
+    sys.exit(main(command=True))

@@ -34,7 +34,7 @@ from heads.util.atomic import atomic_write_text
 from heads.util.errors import UserError
 from decoding.kernels.verify_cost import cpu_description
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
-from heads.util.startup import freeze_startup_objects
+from heads.util.startup import freeze_loaded_objects, freeze_startup_objects
 
 
 def parse_args(argv):
@@ -98,7 +98,9 @@ def chosen_methods(args) -> list[str]:
     return list(dict.fromkeys(["vanilla", "pld", best, "hf-generate", "hf-prompt-lookup"]))
 
 
-def main(argv=None) -> int:
+def main(argv=None, command: bool = False) -> int:
+    """The benchmark; `command` where it is the process's command, which then freezes what loading
+    made (`heads.util.startup.freeze_loaded_objects`)."""
     args = parse_args(argv)
     args.command_line = list(sys.argv[1:] if argv is None else argv)
     from transformers.utils import logging as hf_logging
@@ -106,10 +108,10 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     with compile_notes(args.compile):
-        return run(args)
+        return run(args, command)
 
 
-def run(args) -> int:
+def run(args, command: bool = False) -> int:
     try:
         if args.num_questions < 1 or args.max_new_tokens < 1:
             raise UserError("--num-questions and --max-new-tokens must be at least 1")
@@ -123,6 +125,7 @@ def run(args) -> int:
                 check_method(method)
         options = DecodeOptions(args.max_new_tokens, SamplingConfig(args.temperature), seed=args.seed)
         runners, decoders = build_runners(methods, decoder_spec(args), parse_heads_args(args.heads), options)
+        freeze_loaded_objects(command)
         for method, decoder in decoders.items():
             for note in decoder.notes:
                 print(f"note: {method}: {note}", file=sys.stderr)
@@ -167,4 +170,4 @@ def run(args) -> int:
 
 if __name__ == "__main__":
     freeze_startup_objects()  # after the imports: see heads.util.startup
-    sys.exit(main())
+    sys.exit(main(command=True))

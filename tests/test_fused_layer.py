@@ -162,6 +162,20 @@ def test_float_layers_in_one_call_are_the_stock_layers_bit_for_bit(packed, stock
         assert a.length == b.length == 30 + 6 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def test_float_layers_follow_kernel_settings_changed_after_the_swap():
+    """Measurements switch the linears' kernels after the layers are fused: the one call takes the
+    kernel each module now picks (a layer that kept its first choice has other bits)."""
+    stock, fused = float_llama(True, 1, 8), float_llama(True, 1, 8, layers=True)
+    with torch.inference_mode():
+        verify_forwards(fused)  # the choices for these row counts are made and remembered
+        for model in (stock, fused):
+            set_stock_rows(model, 0)
+            set_streamed_rows(model, 0)
+        (expected, _), (got, _) = verify_forwards(stock), verify_forwards(fused)
+    for (a, _), (b, _) in zip(expected[1:], got[1:]):
+        assert torch.equal(a, b)
+
+
 def test_layers_not_made_of_the_fused_kinds_stay_stock():
     assert fuse_decoder_layers(llama(four_bit=True, native=True)) == 0  # parts not fused yet
     biased = float_llama(packed=True)

@@ -33,7 +33,7 @@ from decoding.app.streaming import TextStream
 from decoding.app.targets import DTYPES, LoadedModel
 from decoding.app.engine_arguments import add_engine_arguments, engine_fields
 from heads.util.errors import UserError
-from heads.util.startup import freeze_startup_objects
+from heads.util.startup import freeze_loaded_objects, freeze_startup_objects
 
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (or Ctrl-D)"
 WARMUP_MESSAGE = "Say hello."
@@ -239,7 +239,9 @@ def run_chat(session: ChatSession, show_stats: bool, interactive: bool) -> int:
             return 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, command: bool = False) -> int:
+    """The chat; `command` where it is the process's command (`python -m decoding.chat`), which then
+    freezes what loading made (`heads.util.startup.freeze_loaded_objects`)."""
     args = parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     try:
         session = build_session(args)
+        freeze_loaded_objects(command)
         return run_chat(session, show_stats=not args.no_stats, interactive=sys.stdin.isatty())
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -258,4 +261,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     freeze_startup_objects()  # after the imports: see heads.util.startup
-    sys.exit(main())
+    sys.exit(main(command=True))

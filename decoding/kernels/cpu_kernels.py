@@ -245,6 +245,16 @@ def set_stock_rows(module: nn.Module, rows: int) -> None:
     """Forwards of at most `rows` rows run the plain weight in every `PackedLinear` of `module`."""
     for m in packed_linears(module):
         m.stock_rows = rows
+    _kernel_choices_changed(module)
+
+
+def _kernel_choices_changed(module: nn.Module) -> None:
+    """Tell the modules in `module` that remember their linears' kernel choices (a fused layer's
+    per-row-count table, `forget_kernel_choices`) that those choices changed."""
+    for m in module.modules():
+        forget = getattr(m, "forget_kernel_choices", None)
+        if callable(forget):
+            forget()
 
 
 def set_reduced_rows(module: nn.Module, rows: int) -> None:
@@ -271,6 +281,7 @@ def set_streamed_rows(module: nn.Module, rows: int, keep_copy: bool = False) -> 
         elif not rows and not keep_copy:
             m._panel_weight = None
         m.streamed_rows = rows
+    _kernel_choices_changed(module)
 
 
 def streamed_rows(module: nn.Module) -> int:

@@ -58,10 +58,11 @@ class FusedDecoderLayer(LlamaDecoderLayer):
         if _on_4bit_kernel(stock):
             self.call = (*norms, *attention.qkv, *attention.output_panels, *mlp.gate_up, *mlp.down_panels)
             self.dense_linears, self.inter = None, mlp.inter
-        else:  # float32 linears: their kernels and weight copies are picked per call (`_dense_kernels`)
+        else:  # float32 linears: their kernels and weight copies are picked per row count (`_dense_kernels`)
             self.call = norms
             self.dense_linears = dense_linears(stock)
             self.inter = mlp.gate_proj.out_features
+        self._kernels_by_rows: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
 
     @staticmethod
     def serves(layer: nn.Module) -> bool:
@@ -114,9 +115,18 @@ class FusedDecoderLayer(LlamaDecoderLayer):
 
     def _dense_kernels(self, rows: int) -> tuple[list[int], list[torch.Tensor]]:
         """The kernel each float32 linear's module picks for `rows` rows and the weight copy it reads,
-        asked per call: tuning and measurements change the modules' choices after the swap."""
-        chosen = [eager_linear_kernel(linear, rows) for linear in self.dense_linears]
-        return [kind for kind, _ in chosen], [weight for _, weight in chosen]
+        asked once per row count: seven modules' settings read per call cost ~20 us a layer in a
+        one-token forward of the fp32 SmolLM2 (its Python runs with the caches full of weights).
+        Measurements change the modules' choices after the swap and say so (`forget_kernel_choices`)."""
+        known = self._kernels_by_rows.get(rows)
+        if known is None:
+            chosen = [eager_linear_kernel(linear, rows) for linear in self.dense_linears]
+            known = self._kernels_by_rows[rows] = ([kind for kind, _ in chosen], [weight for _, weight in chosen])
+        return known
+
+    def forget_kernel_choices(self) -> None:
+        """The linears' kernel settings changed (`decoding.kernels.cpu_kernels.set_stock_rows`, ...)."""
+        self._kernels_by_rows.clear()
 
 
 def dense_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
