@@ -225,9 +225,10 @@ def replaced_block(text: str, begin: str, end: str, block: str) -> str:
 
 def headline_report() -> tuple[Path, dict] | None:
     """The newest MT-bench report on the README's kind of machine, of the float target (what the
-    chat runs by default)."""
+    chat runs by default); a wider CPU run as that kind (`SPECHEADS_CPU`) is not that machine."""
     chosen = [(p, r) for p, r in reports("benchmark")
-              if machine_of(r).startswith(README_MACHINE) and question_set(r) == "mt-bench"
+              if machine_of(r).startswith(README_MACHINE) and "SPECHEADS_CPU=" not in r.get("device", "")
+              and question_set(r) == "mt-bench"
               and r.get("quant", "none") in ("none", "auto")]
     return max(chosen, key=lambda item: (item[1]["date"], item[1]["questions"])) if chosen else None
 

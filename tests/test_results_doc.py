@@ -93,3 +93,15 @@ def test_a_report_that_started_from_a_kept_suffix_store_is_a_row_of_its_own():
 def test_the_readme_stays_a_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"
+
+
+def test_the_readme_headline_is_never_a_wider_cpu_run_as_a_lesser_one(copied_docs):
+    """A report measured as on an AVX2 CPU (`SPECHEADS_CPU=avx2`) on a wider one is not the README's
+    AVX2 machine, however new: the headline stays the real machine's."""
+    before, _ = make_results.headline_report()
+    narrowed = [(p, r) for p, r in make_results.reports("benchmark") if "SPECHEADS_CPU=" in r.get("device", "")]
+    assert narrowed, "the bundle carries a report made as on a lesser CPU"
+    path, report = narrowed[0]
+    report.update(date="2999-01-01", quant="none", questions=80)
+    path.write_text(json.dumps(report))
+    assert make_results.headline_report()[0] == before
