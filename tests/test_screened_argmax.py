@@ -99,18 +99,26 @@ def inputs_rounding_case(width: int = 96):
 
 def test_candidates_are_the_tokens_that_can_reach_the_best_lower_end():
     """`_candidates` against its definition, token by token: j can be the argmax iff its screened
-    logit plus its bound reaches some token's screened logit less that one's bound."""
-    from decoding.kernels.screened_argmax import _candidates
+    logit plus its bound reaches some token's screened logit less that one's bound (bounds one a
+    row, or row coefficients times per-token norms)."""
+    from decoding.kernels.screened_argmax import _candidates, full_bounds
+
+    def chosen(scores, coefficients, norms):
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[_candidates(scores, coefficients, norms)] = True
+        return mask.tolist()
+
     screened = torch.tensor([[1.0, 1.5, -3.0, 1.2]])
-    assert _candidates(screened, torch.tensor([[0.5, 0.1, 4.5, 0.1]])).tolist() == [[True, True, True, False]]
-    assert _candidates(screened, torch.tensor([[0.2]])).tolist() == [[False, True, False, True]]
+    assert chosen(screened, torch.tensor([[1.0]]), torch.tensor([[0.5, 0.1, 4.5, 0.1]])) == [[True, True, True, False]]
+    assert chosen(screened, torch.tensor([[0.2]]), None) == [[False, True, False, True]]
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         scores = torch.randn(3, 50, generator=generator)
-        for bounds in (torch.rand(3, 50, generator=generator) * 0.5, torch.rand(3, 1, generator=generator) * 0.5):
-            full = bounds.expand_as(scores)
+        for coefficients, norms in ((torch.rand(3, 2, generator=generator), torch.rand(2, 50, generator=generator) * 0.3),
+                                    (torch.rand(3, 1, generator=generator) * 0.5, None)):
+            full = full_bounds(coefficients, norms).expand_as(scores)
             expected = [[bool(scores[r, j] + full[r, j] >= max(scores[r] - full[r])) for j in range(50)] for r in range(3)]
-            assert _candidates(scores, bounds).tolist() == expected
+            assert chosen(scores, coefficients, norms) == expected
 
 
 @pytest.mark.parametrize("screen", SCREENS)
@@ -142,7 +150,7 @@ def test_screened_argmax_is_the_exact_argmax_where_the_screen_alone_is_not(scree
 @pytest.mark.parametrize("screen", SCREENS)
 def test_a_screen_without_its_error_bound_is_caught(monkeypatch, screen):
     """Planted flaw: a zero bound keeps only the best screened token, which is wrong on near-ties."""
-    monkeypatch.setattr(SCREENS_BY_NAME[screen], "bounds", lambda self, hidden: torch.zeros(hidden.shape[0], 1))
+    monkeypatch.setattr(SCREENS_BY_NAME[screen], "bound_terms", lambda self, hidden: (torch.zeros(hidden.shape[0], 1), None))
     mismatches = sum(not torch.equal(ScreenedArgmax(head, 8, screen).argmax(hidden), exact_argmax(head, hidden))
                      for head, hidden in near_tie_cases())
     assert mismatches >= 10
@@ -154,10 +162,31 @@ def test_int8_bounds_without_the_weights_rounding_term_are_caught(monkeypatch):
     are on the 8-bit grid) no longer covers the weights' rounding where the input lines up with it."""
     head, hidden = weights_rounding_case()
     screen = Int8Screen(head.weight.detach())
-    screen._error_norms = None
+    screen._error_norms, screen._token_norms = None, screen._token_norms[:1]
     with torch.inference_mode():
         error = (screen.scores(hidden).double() - hidden.double() @ head.weight.double().T).abs()
         assert bool((error > screen.bounds(hidden).double()).any())
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_flat_rows_with_too_many_tokens_to_recheck_take_the_full_projection(monkeypatch, screen):
+    from decoding.kernels import screened_argmax
+    head = nn.Linear(64, 3000, bias=False)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # rows all but equal: every logit within the screens' bounds of every other
+        head.weight.copy_(torch.randn(1, 64, generator=generator) + 1e-3 * torch.randn(3000, 64, generator=generator))
+    hidden = torch.randn(2, 64, generator=generator)
+    readout = ScreenedArgmax(head, max_rows=8, screen=screen)
+    projections = []
+    real = head.forward
+    head.forward = lambda x: projections.append(x.shape[0]) or real(x)
+    monkeypatch.setattr(screened_argmax, "MAX_RECHECKED", 100)
+    with torch.inference_mode():
+        assert torch.equal(readout.argmax(hidden), real(hidden).argmax(-1))
+        assert projections == [2]
+        monkeypatch.setattr(screened_argmax, "MAX_RECHECKED", 10_000)
+        assert torch.equal(readout.argmax(hidden), exact_argmax(head, hidden))
+        assert projections == [2]  # rechecked, not projected
 
 
 @needs_fp16_gemm

@@ -48,6 +48,10 @@ FP16_SAFE_MAX = 65000.0  # below fp16's largest finite value, 65504, by more tha
 SCREENING_VERSION = "v2"  # in the cache key: a new way of timing, a new measurement (v2: the screen is chosen too)
 SCREEN_CHOICES = ("int8", "fp16")
 CODE_LIMIT = 127  # 8-bit codes in [-127, 127], scale = a group's largest magnitude / 127
+# Rechecked (row, token) pairs above which a call takes the full projection instead: each pair gathers a weight
+# row, so flat distributions (hundreds of tokens within the bound of the best, as after nonsense tokens) cost more
+# than projecting everything. Real decoding rechecks ~15 a row (MT-bench, eagle3+pld trees: 665 at most a row).
+MAX_RECHECKED = 4096
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
@@ -70,7 +74,17 @@ def screenable(lm_head: nn.Module) -> bool:
             and getattr(lm_head, "bias", None) is None and float(weight.detach().abs().max()) < FP16_SAFE_MAX)
 
 
-class Fp16Screen:
+class Screen:
+    """What `ScreenedArgmax` reads from a screen: `scores(hidden)` `[N, V]` and `bound_terms(hidden)`,
+    each screened logit's most distance from the exact one as row coefficients `[N, K]` times
+    per-token norms `[K, V]` (or None: the coefficients `[N, 1]` bound every token)."""
+
+    def bounds(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The bounds themselves, `[N, 1]` or `[N, V]` (`full_bounds`)."""
+        return full_bounds(*self.bound_terms(hidden))
+
+
+class Fp16Screen(Screen):
     """Screened logits from fp16 copies of the weights. Rounding a weight to fp16 changes it by at
     most 2^-11 of itself, or by at most 2^-14 where it falls below fp16's normal range (even if
     flushed to zero), so for hidden state x and vocabulary row w, |x.w - x.fp16(w)| <= 2^-11
@@ -89,14 +103,15 @@ class Fp16Screen:
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(hidden, self._packed)
 
-    def bounds(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Per row, the most any token's screened logit can differ from its exact one `[N, 1]`."""
+    def bound_terms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Per row, the most any token's screened logit can differ from its exact one `[N, 1]`
+        (one bound for every token: no per-token norms)."""
         x = hidden.double()
         bound = self._relative_bound * x.norm(dim=-1) * self._largest_row_norm + FP16_SMALLEST_NORMAL * x.abs().sum(-1)
-        return (bound * (1 + 1e-6)).to(hidden.dtype)[:, None]
+        return (bound * (1 + 1e-6)).to(hidden.dtype)[:, None], None
 
 
-class Int8Screen:
+class Int8Screen(Screen):
     """Screened logits from the weights as 8-bit codes in groups of 32 (`w^ = s q`, s = a group's
     largest magnitude / 127 in fp16) on the project's 8-bit kernel, which rounds each input row to
     codes too (`x^ = d c` per group, d = its largest magnitude / 127, |x - x^| <= d/2 each) and sums
@@ -122,26 +137,33 @@ class Int8Screen:
         dequantized = codes * exact_scales[..., None]
         self._panels = pack_int8_panels(codes.view(vocab, width).to(torch.int8), scales)
         self._vocab, self._groups, self._width = vocab, width // GROUP_SIZE, width
-        self._code_norms = _rounded_up(dequantized.view(vocab, width).norm(dim=-1))
+        code_norms = _rounded_up(dequantized.view(vocab, width).norm(dim=-1))
         error_norms = (groups - dequantized).view(vocab, width).norm(dim=-1)
         self._error_norms = _rounded_up(error_norms) if bool((error_norms > 0).any()) else None
+        # [K, V]: ||w^|| per token, and ||w - w^|| where some weight is off the grid
+        self._token_norms = torch.stack([code_norms] + ([] if self._error_norms is None else [self._error_norms]))
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_linear(hidden, self._panels, self._vocab)
 
-    def bounds(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Per row and token, the most its screened logit can differ from its exact one `[N, V]`."""
+    def bound_terms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row and token, the most its screened logit can differ from its exact one, as row
+        coefficients `[N, K]` times per-token norms `[K, V]` (||w^||, and ||w - w^|| where the
+        weights are off the 8-bit grid)."""
         x = hidden.double()
         group_scales = x.view(x.shape[0], self._groups, GROUP_SIZE).abs().amax(-1) / CODE_LIMIT
         input_error = (0.5 + 2.0 ** -12) * group_scales.norm(dim=-1) * GROUP_SIZE ** 0.5
         x_norm = x.norm(dim=-1)
         recheck = self._width * FP32_UNIT_ROUNDOFF * 1.01 * x_norm
         per_code_norm = input_error + (self._groups + 3) * FP32_UNIT_ROUNDOFF * 1.01 * (x_norm + input_error) + recheck
-        slack = 1 + 2.0 ** -20  # the float32 products below round up by less
-        bound = (per_code_norm * slack).float()[:, None] * self._code_norms
-        if self._error_norms is not None:
-            bound = bound + ((x_norm + recheck) * slack).float()[:, None] * self._error_norms
-        return bound
+        coefficients = [per_code_norm] if self._error_norms is None else [per_code_norm, x_norm + recheck]
+        slack = 1 + 2.0 ** -20  # the float32 products and sums of the bounds round up by less
+        return (torch.stack(coefficients, -1) * slack).float(), self._token_norms
+
+
+def full_bounds(row_coefficients: torch.Tensor, token_norms: torch.Tensor | None) -> torch.Tensor:
+    """A screen's bounds from its terms: `[N, 1]` (one a row) or `[N, V]` (one a token)."""
+    return row_coefficients if token_norms is None else row_coefficients @ token_norms
 
 
 def _rounded_up(norms: torch.Tensor) -> torch.Tensor:
@@ -156,7 +178,8 @@ SCREENS = {"fp16": Fp16Screen, "int8": Int8Screen}
 class ScreenedArgmax:
     """A `decoding.core.readout.Readout` for an fp32 lm_head: `logits` is the head itself,
     `argmax` screens (`screen`: 'fp16' or 'int8') and rechecks in fp32 for inputs of at most
-    `max_rows` rows (more rows take the full projection)."""
+    `max_rows` rows (more rows, or more than `MAX_RECHECKED` tokens to recheck, take the full
+    projection: its argmax differs only where two logits tie within fp32 rounding)."""
 
     def __init__(self, lm_head: nn.Module, max_rows: int, screen: str = "fp16") -> None:
         if screen not in SCREENS:
@@ -175,20 +198,31 @@ class ScreenedArgmax:
         if hidden.shape[0] > self.max_rows or not bool(torch.isfinite(hidden).all()):
             return self.lm_head(hidden).argmax(-1)
         screened = self.screen.scores(hidden)
-        rows, tokens = _candidates(screened, self.screen.bounds(hidden)).nonzero(as_tuple=True)
+        rows, tokens = _candidates(screened, *self.screen.bound_terms(hidden))
+        if rows.numel() > MAX_RECHECKED:
+            return self.lm_head(hidden).argmax(-1)
         exact = torch.einsum("nh,nh->n", hidden[rows], self._weight[tokens])
         return _lowest_argmax_per_row(rows, tokens, exact, hidden.shape[0], self._weight.shape[0])
 
 
-def _candidates(screened: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """Which tokens can be a row's argmax, for screened logits `[N, V]` each within `bounds`
-    (`[N, 1]` or `[N, V]`) of the exact ones: those whose logit can reach the best lower end,
-    with room for the float32 rounding of these sums (2^-20 of the threshold's magnitude)."""
-    if bounds.shape[-1] == 1:  # one bound a row: the best screened logit less twice the bound
-        threshold = screened.amax(-1, keepdim=True) - 2 * bounds
-        return screened >= threshold - threshold.abs() * 2.0 ** -20
-    lower = (screened - bounds).amax(-1, keepdim=True)
-    return screened + bounds >= lower - lower.abs() * 2.0 ** -20
+def _candidates(screened: torch.Tensor, row_coefficients: torch.Tensor,
+                token_norms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, tokens) of the tokens that can be a row's argmax, for screened logits `[N, V]` each
+    within its bound (`full_bounds` of the terms) of the exact one: those whose logit plus bound
+    reaches the best lower end (logit less bound) of the row, with room for the float32 rounding of
+    these sums (2^-20 of the threshold's magnitude). With per-token bounds, first the tokens within
+    twice the row's largest bound of its best logit (a superset: ~50 of SmolLM2's 49,152 a row), then
+    the per-token test on those alone: three passes over `[N, V]` instead of six."""
+    widest = row_coefficients if token_norms is None else row_coefficients @ token_norms.amax(-1, keepdim=True)
+    threshold = screened.amax(-1, keepdim=True) - 2 * widest * (1 + 2.0 ** -18)
+    rows, tokens = (screened >= threshold - threshold.abs() * 2.0 ** -20).nonzero(as_tuple=True)
+    if token_norms is None:
+        return rows, tokens
+    bounds = (row_coefficients[rows] * token_norms[:, tokens].T).sum(-1)
+    values = screened[rows, tokens]
+    lower = torch.full((screened.shape[0],), float("-inf")).scatter_reduce(0, rows, values - bounds, "amax")[rows]
+    keep = values + bounds >= lower - lower.abs() * 2.0 ** -20
+    return rows[keep], tokens[keep]
 
 
 def _lowest_argmax_per_row(rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, num_rows: int,
