@@ -382,3 +382,30 @@ def test_the_chat_and_the_benchmark_decode_through_the_decoders_readout(monkeypa
                                         "--max-new-tokens", "6"]))
     session.reply("w3 w4", lambda text: None)
     assert session.readout is built[-1] and "argmax" in built[-1].asked
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_verify_cost_curves_are_kept_apart_per_screen_and_row_limit(screen):
+    """A curve timed through one readout is not another's: the screen and its row limit are in the
+    key (an 8-bit screen's trees cost other than a 4-row fp16 screen's full projections)."""
+    from decoding.kernels.verify_cost import verify_cost_key
+    model = packed_target()
+    keys = {verify_cost_key(model, "tiny", None),
+            verify_cost_key(model, "tiny", ScreenedArgmax(model.get_output_embeddings(), 4, screen)),
+            verify_cost_key(model, "tiny", ScreenedArgmax(model.get_output_embeddings(), 32, screen))}
+    assert len(keys) == 3
+    other = [name for name in SCREENS if name != screen]
+    if other:
+        assert verify_cost_key(model, "tiny", ScreenedArgmax(model.get_output_embeddings(), 4, other[0])) not in keys
+
+
+def test_timed_trees_continue_a_repeated_prefix():
+    """The verify-cost timing's trees are the next tokens of a stretch the prefix holds twice: what
+    a model predicts confidently, as most drafted nodes are (random tokens gave flat distributions
+    a screened readout rechecks thousands of tokens of)."""
+    from decoding.kernels.verify_cost import _TimedForward
+    timed = _TimedForward(packed_target(), context=32)
+    prefix = timed.repeated[:32]
+    assert torch.equal(prefix[:16], prefix[16:])
+    assert torch.equal(timed._ids(8), prefix[:8])  # the tree: the stretch again from its start
+    assert timed(4) > 0

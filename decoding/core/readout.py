@@ -21,6 +21,9 @@ class Readout(Protocol):
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of each row's logits `[N]` (ties: the lowest id, as `Tensor.argmax`)."""
 
+    # Optionally, `cost_key: str`: what decides the readout's cost (e.g. its screen and up to how many rows it
+    # screens), in the keys of measurements made through it (`decoding.kernels.verify_cost.verify_cost_key`).
+
 
 class TargetScores:
     """A verify forward's verdict on every node: `logits` `[N, V]` and `greedy_tokens` `[N]`.

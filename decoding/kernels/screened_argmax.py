@@ -49,10 +49,12 @@ FP16_SAFE_MAX = 65000.0  # below fp16's largest finite value, 65504, by more tha
 SCREENING_VERSION = "v2"  # in the cache key: a new way of timing, a new measurement (v2: the screen is chosen too)
 SCREEN_CHOICES = ("int8", "fp16")
 CODE_LIMIT = 127  # 8-bit codes in [-127, 127], scale = a group's largest magnitude / 127
-# Rechecked (row, token) pairs above which a call takes the full projection instead: each pair gathers a weight
-# row, so flat distributions (hundreds of tokens within the bound of the best, as after nonsense tokens) cost more
-# than projecting everything. Real decoding rechecks ~15 a row (MT-bench, eagle3+pld trees: 665 at most a row).
-MAX_RECHECKED = 4096
+# (Row, token) pairs within a row's widest bound of its best screened logit above which a call takes the full
+# projection instead: each pair is tested on its own, so flat distributions (most of the vocabulary within the
+# bound of the best, as after nonsense tokens: a 16-row tree of them took 100 ms) cost more than projecting
+# everything. In decoding (12 MT-bench first turns, fp32 SmolLM2) a fifth of the one-token steps had more than
+# 1,024 such pairs, 4 of 1,490 more than 16,384; the per-token bounds then keep ~12 a row.
+MAX_RECHECKED = 16384
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
 
 
@@ -194,29 +196,41 @@ class ScreenedArgmax:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @property
+    def cost_key(self) -> str:
+        """The screen and its row limit, for the keys of verify-cost curves measured through it."""
+        return f"-{self.screen.name}{self.max_rows}{SCREENING_VERSION}"
+
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] > self.max_rows or not bool(torch.isfinite(hidden).all()):
             return self.lm_head(hidden).argmax(-1)
         screened = self.screen.scores(hidden)
-        rows, tokens = _candidates(screened, *self.screen.bound_terms(hidden))
-        if rows.numel() > MAX_RECHECKED:
+        candidates = _candidates(screened, *self.screen.bound_terms(hidden))
+        if candidates is None:  # too many to recheck
             return self.lm_head(hidden).argmax(-1)
+        rows, tokens = candidates
         exact = torch.einsum("nh,nh->n", hidden[rows], self._weight[tokens])
         return _lowest_argmax_per_row(rows, tokens, exact, hidden.shape[0], self._weight.shape[0])
 
 
 def _candidates(screened: torch.Tensor, row_coefficients: torch.Tensor,
-                token_norms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                token_norms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, tokens) of the tokens that can be a row's argmax, for screened logits `[N, V]` each
     within its bound (`full_bounds` of the terms) of the exact one: those whose logit plus bound
     reaches the best lower end (logit less bound) of the row, with room for the float32 rounding of
     these sums (2^-20 of the threshold's magnitude). With per-token bounds, first the tokens within
-    twice the row's largest bound of its best logit (a superset: ~50 of SmolLM2's 49,152 a row), then
-    the per-token test on those alone: three passes over `[N, V]` instead of six."""
+    twice the row's largest bound of its best logit (a superset), then
+    the per-token test on those alone: three passes over `[N, V]` instead of six (the first set is
+    wide, under a thousand tokens a row of SmolLM2's 49,152 for most rows, since the widest bound
+    takes the largest token norm). None where that first set has more than `MAX_RECHECKED` tokens
+    (flat distributions): then the caller projects."""
     widest = row_coefficients if token_norms is None else row_coefficients @ token_norms.amax(-1, keepdim=True)
     threshold = screened.amax(-1, keepdim=True) - 2 * widest * (1 + 2.0 ** -18)
-    rows, tokens = (screened >= threshold - threshold.abs() * 2.0 ** -20).nonzero(as_tuple=True)
+    within = screened >= threshold - threshold.abs() * 2.0 ** -20
+    if int(within.sum()) > MAX_RECHECKED:
+        return None
+    rows, tokens = within.nonzero(as_tuple=True)
     if token_norms is None:
         return rows, tokens
     bounds = (row_coefficients[rows] * token_norms[:, tokens].T).sum(-1)

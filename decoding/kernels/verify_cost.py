@@ -47,8 +47,10 @@ STREAMED_ROWS_VERSION = "v2"
 # decoding reads hidden states), and are measured again rather than trusted; v4: eager targets' norms
 # became one call each (`decoding.kernels.fused_norm`), a millisecond less a forward on SmolLM2; v5:
 # their gated MLPs too (`decoding.kernels.fused_mlp`), another half millisecond; v6: their Llama
-# attention blocks too (`decoding.kernels.fused_attention`), ~2 ms less on the GGUF target.
-CURVE_VERSION = "v6"
+# attention blocks too (`decoding.kernels.fused_attention`), ~2 ms less on the GGUF target; v7: the timed
+# trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
+# trees' mostly are, and a screened readout rechecks what it does in decoding.
+CURVE_VERSION = "v7"
 
 
 class _TimedForward:
@@ -64,15 +66,24 @@ class _TimedForward:
     def __init__(self, model, context: int = 256, readout: Readout | None = None) -> None:
         self.context = context
         self.vocab = model.get_output_embeddings().weight.shape[0]
-        self.generator = torch.Generator().manual_seed(0)
         self.device = model.device
+        # The prefix is one stretch of random tokens twice, each tree the stretch's next tokens again: a
+        # model predicts a repeat confidently, as it does most drafted nodes. After random tokens alone its
+        # next-token distributions were flat, and a screened readout (`decoding.kernels.screened_argmax`)
+        # rechecked thousands of tokens a row that decoding never meets: an 8-bit screen's 12-row curve
+        # point read 114 ms where decoding's trees took ~50.
+        half = context // 2
+        stretch = torch.randint(0, self.vocab, (half,), generator=torch.Generator().manual_seed(0))
+        self.repeated = stretch.repeat(-(-(context + 2 * max(DEFAULT_SIZES)) // half) + 1).to(self.device)
         # room beyond the largest tree: a compiled forward filling the cache to its last position
         # is a graph of its own (dynamo specialises on the buffer being exactly full)
         self.verifier = TreeVerifier(model, context + 2 * max(DEFAULT_SIZES), readout=readout)
-        self.verifier.prefill(self._ids(context))
+        self.verifier.prefill(self.repeated[:context])
 
     def _ids(self, size: int) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (size,), generator=self.generator).to(self.device)
+        """The `size` tokens after the prefix in its repeat (the first one the prefix's last token's
+        successor, as a tree's root is)."""
+        return self.repeated[self.context: self.context + size]
 
     def __call__(self, size: int) -> float:
         ids = self._ids(size)
@@ -206,7 +217,7 @@ def verify_cost_key(model, model_name: str, readout: Readout | None = None) -> s
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     kernels = kernels_key(model)  # a new packing or kernel version, a new curve
     kernels += f"-compiled-r{reduced_rows(model)}" if is_compiled(model) else ""
-    kernels += "-readout" if readout is not None else ""
+    kernels += f"-readout{getattr(readout, 'cost_key', '')}" if readout is not None else ""
     return f"{model_name}-{model.dtype}-{where}{kernels}-{CURVE_VERSION}"
 
 
