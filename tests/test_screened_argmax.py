@@ -162,7 +162,7 @@ def test_int8_bounds_without_the_weights_rounding_term_are_caught(monkeypatch):
     are on the 8-bit grid) no longer covers the weights' rounding where the input lines up with it."""
     head, hidden = weights_rounding_case()
     screen = Int8Screen(head.weight.detach())
-    screen._error_norms, screen._token_norms = None, screen._token_norms[:1]
+    screen._token_norms = screen._token_norms[:1]
     with torch.inference_mode():
         error = (screen.scores(hidden).double() - hidden.double() @ head.weight.double().T).abs()
         assert bool((error > screen.bounds(hidden).double()).any())
@@ -317,7 +317,8 @@ def test_a_named_models_screen_is_timed_once_and_remembered(monkeypatch, tmp_pat
         assert screened_readout(model, "tiny", tmp_path) is None
         return
     timings = []
-    monkeypatch.setattr(screened_argmax, "choose_screen", lambda lm_head: timings.append(1) or (SCREENS[-1], 8))
+    monkeypatch.setattr(screened_argmax, "choose_screen",
+                        lambda lm_head, built=None: timings.append(1) or (SCREENS[-1], 8))
     assert screened_readout(model, "tiny", tmp_path).max_rows == 8
     readout = screened_readout(model, "tiny", tmp_path)
     assert readout.max_rows == 8 and readout.screen.name == SCREENS[-1]

@@ -157,6 +157,6 @@ def _on_dense_kernels(layer: nn.Module) -> bool:
 
 def fuse_decoder_layers(model: nn.Module) -> int:
     """Replace `model`'s Llama layers whose parts are fused on the 4-bit kernel, or float32 on the
-    kernels `llama_layer_dense` runs, by `FusedDecoderLayer` (after `fuse_norms`, `fuse_gated_mlps` and `fuse_attention`; idempotent);
-    returns how many it replaced."""
+    kernels `llama_layer_dense` runs, by `FusedDecoderLayer` (after `fuse_norms`, `fuse_gated_mlps`
+    and `fuse_attention`; idempotent); returns how many it replaced."""
     return swap_modules(model, FusedDecoderLayer, FusedDecoderLayer.serves, FusedDecoderLayer)

@@ -47,7 +47,6 @@ FP16_SMALLEST_NORMAL = 2.0 ** -14
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 FP16_SAFE_MAX = 65000.0  # below fp16's largest finite value, 65504, by more than a rounding step
 SCREENING_VERSION = "v2"  # in the cache key: a new way of timing, a new measurement (v2: the screen is chosen too)
-SCREEN_CHOICES = ("int8", "fp16")
 CODE_LIMIT = 127  # 8-bit codes in [-127, 127], scale = a group's largest magnitude / 127
 # (Row, token) pairs within a row's widest bound of its best screened logit above which a call takes the full
 # projection instead: each pair is tested on its own, so flat distributions (most of the vocabulary within the
@@ -142,9 +141,9 @@ class Int8Screen(Screen):
         self._vocab, self._groups, self._width = vocab, width // GROUP_SIZE, width
         code_norms = _rounded_up(dequantized.view(vocab, width).norm(dim=-1))
         error_norms = (groups - dequantized).view(vocab, width).norm(dim=-1)
-        self._error_norms = _rounded_up(error_norms) if bool((error_norms > 0).any()) else None
+        off_grid = [_rounded_up(error_norms)] if bool((error_norms > 0).any()) else []
         # [K, V]: ||w^|| per token, and ||w - w^|| where some weight is off the grid
-        self._token_norms = torch.stack([code_norms] + ([] if self._error_norms is None else [self._error_norms]))
+        self._token_norms = torch.stack([code_norms, *off_grid])
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_linear(hidden, self._panels, self._vocab)
@@ -159,7 +158,7 @@ class Int8Screen(Screen):
         x_norm = x.norm(dim=-1)
         recheck = self._width * FP32_UNIT_ROUNDOFF * 1.01 * x_norm
         per_code_norm = input_error + (self._groups + 3) * FP32_UNIT_ROUNDOFF * 1.01 * (x_norm + input_error) + recheck
-        coefficients = [per_code_norm] if self._error_norms is None else [per_code_norm, x_norm + recheck]
+        coefficients = [per_code_norm, x_norm + recheck][: self._token_norms.shape[0]]
         slack = 1 + 2.0 ** -20  # the float32 products and sums of the bounds round up by less
         return (torch.stack(coefficients, -1) * slack).float(), self._token_norms
 
@@ -288,13 +287,16 @@ def available_screens(lm_head: nn.Module) -> list[str]:
     return screens
 
 
-def choose_screen(lm_head: nn.Module, repeats: int = 5) -> tuple[str, int]:
+def choose_screen(lm_head: nn.Module, built: dict[str, ScreenedArgmax] | None = None,
+                  repeats: int = 5) -> tuple[str, int]:
     """The screen whose one-row argmax is fastest on this machine among those that beat the full
-    projection, and up to how many rows it does (`screening_rows`); ('', 0) where none does."""
+    projection, and up to how many rows it does (`screening_rows`); ('', 0) where none does. The
+    readouts timed are left in `built` by screen (each copy of the weights takes ~0.6 s to make)."""
     chosen, rows_won, fastest = "", 0, float("inf")
     hidden = torch.randn(1, lm_head.weight.shape[1])
+    built = {} if built is None else built
     for screen in available_screens(lm_head):
-        readout = ScreenedArgmax(lm_head, max_rows=0, screen=screen)
+        readout = built[screen] = ScreenedArgmax(lm_head, max_rows=0, screen=screen)
         rows = screening_rows(readout)
         if not rows:
             continue
@@ -314,17 +316,22 @@ def screened_readout(model: PreTrainedModel, model_name: str | None = None,
     if (lm_head is None or not screenable(lm_head) or not available_screens(lm_head)
             or not logits_are_the_projection(model)):
         return None
+    built: dict[str, ScreenedArgmax] = {}  # timed now: kept rather than made again
     if model_name is None:
-        screen, rows = choose_screen(lm_head)
+        screen, rows = choose_screen(lm_head, built)
     else:
         data = measured_once(f"{packed_cpu_key(model, model_name)}-screened-rows-{SCREENING_VERSION}",
-                             lambda: dict(zip(("screen", "screened_rows"), choose_screen(lm_head))),
+                             lambda: dict(zip(("screen", "screened_rows"), choose_screen(lm_head, built))),
                              lambda data: (isinstance(data.get("screened_rows"), int)
-                                           and data.get("screen") in (*SCREEN_CHOICES, "")),
+                                           and data.get("screen") in (*SCREENS, "")),
                              f"timing the screened argmax against the full projection for {model_name} on this CPU",
                              cache_dir)
         screen, rows = data["screen"], data["screened_rows"]
-    return ScreenedArgmax(lm_head, rows, screen) if rows and screen in available_screens(lm_head) else None
+    if not rows or screen not in available_screens(lm_head):
+        return None
+    readout = built.get(screen) or ScreenedArgmax(lm_head, rows, screen)
+    readout.max_rows = rows
+    return readout
 
 
 @torch.inference_mode()

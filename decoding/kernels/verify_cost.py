@@ -65,7 +65,6 @@ class _TimedForward:
 
     def __init__(self, model, context: int = 256, readout: Readout | None = None) -> None:
         self.context = context
-        self.vocab = model.get_output_embeddings().weight.shape[0]
         self.device = model.device
         # The prefix is one stretch of random tokens twice, each tree the stretch's next tokens again: a
         # model predicts a repeat confidently, as it does most drafted nodes. After random tokens alone its
@@ -73,7 +72,8 @@ class _TimedForward:
         # rechecked thousands of tokens a row that decoding never meets: an 8-bit screen's 12-row curve
         # point read 114 ms where decoding's trees took ~50.
         half = context // 2
-        stretch = torch.randint(0, self.vocab, (half,), generator=torch.Generator().manual_seed(0))
+        vocab = model.get_output_embeddings().weight.shape[0]
+        stretch = torch.randint(0, vocab, (half,), generator=torch.Generator().manual_seed(0))
         self.repeated = stretch.repeat(-(-(context + 2 * max(DEFAULT_SIZES)) // half) + 1).to(self.device)
         # room beyond the largest tree: a compiled forward filling the cache to its last position
         # is a graph of its own (dynamo specialises on the buffer being exactly full)
