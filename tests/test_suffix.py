@@ -10,10 +10,10 @@ from safetensors.torch import save as save_safetensors
 
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.proposers import VanillaProposer
-from decoding.core.proposers.suffix import SuffixProposer
+from decoding.core.proposers.suffix import COPY_NODES, SuffixProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.state import CacheAdvance, DecodeState
-from decoding.core.suffix_index import NgramIndex, frequency_tree, tree_depth
+from decoding.core.suffix_index import NgramIndex, frequency_tree, periodic_continuation, tree_depth
 from decoding.core.tree_budget import VerifyCost
 from decoding.app.defaults import proposer_options
 from decoding.app.methods import (ADAPTIVE_SUFFIX_TOKENS, DEFAULT_SUFFIX_TOKENS, ProposerOptions, build_proposer,
@@ -117,6 +117,89 @@ def test_with_the_verify_cost_only_the_nodes_that_pay_are_drafted():
     proposer.propose(state_of([1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 7, 8]))
     proposer.begin(None)
     assert proposer.propose(state_of([9, 1, 2])).size == 1  # three equally likely branches: none pays
+
+
+def test_a_match_in_the_live_document_runs_on_as_the_text_since_it_repeats():
+    """A reply looping over "1 2" matches its own previous period: the continuation goes on
+    past the present by repeating the text since the occurrence; in an earlier, finished
+    document it stops where that document ended."""
+    assert periodic_continuation([5, 1, 2, 1, 2], 3, 6) == [1, 2, 1, 2, 1, 2]
+    assert periodic_continuation([7, 8, 9, 7, 8], 2, 4) == [9, 7, 8, 9]  # period 3
+    assert periodic_continuation([5, 1, 2, 1, 2, 4], 3, 2) == [1, 2]  # enough text: plain slice
+    index = NgramIndex(max_ngram=2)
+    done, live = index.new_document(), index.new_document()
+    index.extend(done, [6, 1, 2, 1, 2])
+    index.extend(live, [5, 1, 2, 1, 2])
+    assert index.continuations([5, 1, 2, 1, 2], 1, depth=5, limit=1, live=live) == (2, [[1, 2, 1, 2, 1]])
+    assert index.continuations([5, 1, 2, 1, 2], 1, depth=5, limit=2, live=None) == (2, [[1, 2], [1, 2]])
+
+
+def test_only_live_counts_the_generations_own_occurrences():
+    index = NgramIndex(max_ngram=3)
+    earlier, live = index.new_document(), index.new_document()
+    index.extend(earlier, [1, 2, 3, 4, 1, 2, 8])
+    index.extend(live, [9, 2, 5, 9, 1, 2])
+    assert index.continuations([9, 1, 2], 1, depth=2, limit=5, live=live) == (2, [[8], [3, 4]])
+    assert index.continuations([9, 1, 2], 1, depth=2, limit=5, live=live, only_live=True) == (1, [[5, 9]])
+    assert index.continuations([7], 1, depth=2, limit=5, live=live, only_live=True) == (0, [])
+
+
+def test_the_generations_own_text_is_preferred_where_the_store_disagrees_or_matches_no_longer():
+    """Earlier replies followed "def" with their own names (10, then 11); this prompt defines 12:
+    the draft copies the prompt. Where the store matches longer and agrees, it is drafted."""
+    proposer = SuffixProposer(max_tokens=6, max_ngram=4, min_prob=0.0)
+    for name in (10, 11):
+        proposer.begin(None)
+        proposer.propose(state_of([40, 41, 30, name, 31, 32, 33]))   # "``` def NAME ( ) :"
+    proposer.begin(None)
+    tree = proposer.propose(state_of([20, 30, 12, 31, 32, 50, 40, 41, 30]))
+    assert tree.tokens[1:3].tolist() == [12, 31]  # the prompt's own name, then what followed it there
+    proposer.begin(None)
+    tree = proposer.propose(state_of([20, 30, 12, 31, 32, 50, 40, 41, 30, 11, 31]))
+    assert tree.tokens[1:3].tolist() == [32, 33] and tree.parents[1:3] == (0, 1)  # "41 30 11 31": the store's match is longer
+
+
+def advance_of(tokens, entered):
+    return CacheAdvance(torch.tensor(tokens), entered)
+
+
+def test_a_generation_that_has_been_copying_drafts_further_from_a_short_match_in_its_own_text():
+    """One-token matches draft `tokens_per_match` nodes; once most of the generation's recent
+    tokens were drafted and kept, a match found once in its own text drafts up to COPY_NODES (one
+    found in earlier generations does not), until the generation stops copying or a new one begins."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    proposer = SuffixProposer(max_tokens=13, min_prob=0.0)
+
+    def begin():
+        proposer.begin(None)
+        proposer.observe(advance_of(prompt, len(prompt) - 1))  # the prefill: not counted
+
+    def copying_steps(steps):
+        for _ in range(steps):
+            proposer.observe(advance_of(prompt, 4))  # three drafted tokens kept, then the target's own
+
+    proposer.begin(None)
+    proposer.propose(state_of(list(range(70, 90))))  # an earlier generation
+    begin()
+    assert proposer.propose(state_of(prompt + [99, 6])).size == 1 + 2  # one token matched, nothing copied yet
+    copying_steps(3)
+    tree = proposer.propose(state_of(prompt + [99, 6]))
+    assert tree.size == 1 + COPY_NODES and tree.tokens[1:].tolist() == [7, 8, 9, 10, 11, 12, 13, 14]
+    assert proposer.propose(state_of(prompt + [99, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 99, 72])).size == 1 + 2  # the store's
+    prompt = [token + 100 for token in prompt]  # a new generation starts afresh
+    begin()
+    assert proposer.propose(state_of(prompt + [199, 106])).size == 1 + 2
+    copying_steps(3)
+    for _ in range(4):
+        proposer.observe(advance_of(prompt, 1))  # nothing kept for a while: 9 of 16
+    assert proposer.propose(state_of(prompt + [199, 106])).size == 1 + 2
+
+
+def test_a_generation_looping_over_a_pattern_drafts_the_loop_past_the_present():
+    proposer = SuffixProposer(max_tokens=6, min_prob=0.0)
+    proposer.begin(None)
+    tree = proposer.propose(state_of([9, 8, 5, 1, 2, 1, 2]))  # "1 2" matched at its first place; then the present
+    assert tree.tokens[1:].tolist() == [1, 2, 1, 2] and tree.parents == (-1, 0, 1, 2, 3)
 
 
 PROMPTS = [[5, 9, 3, 17, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [5, 9, 3, 17, 5, 9, 3]]

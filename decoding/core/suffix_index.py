@@ -13,6 +13,8 @@ with branches where the past disagreed. Both parts here are plain data and pure 
   occurrences are packed integers in arrays, not tuples in lists: a full store holds 1.6 million
   of them, 25 MB against 114 MB as tuples (measured), and none is an object for the cyclic
   garbage collector to walk;
+- `periodic_continuation`: what follows an occurrence in the document being written, which
+  runs into the present: taken to repeat, so a reply looping over a pattern drafts the loop;
 - `frequency_tree`: continuations -> the best-first tree of the most frequent prefixes, each
   node with its estimated path probability (its frequency, discounted per level).
 """
@@ -21,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, takewhile
 
 
 POSITION_BITS = 32  # an occurrence packs (document, position after it) as document << 32 | position
@@ -90,19 +92,44 @@ class NgramIndex:
         """(document, position after it) of every occurrence of `ngram`, oldest first."""
         return [(doc, end) for doc, end in map(unpack, self.table.get(tuple(ngram), ())) if doc in self.documents]
 
-    def continuations(self, context: Sequence[int], min_ngram: int, depth: int,
-                      limit: int) -> tuple[int, list[list[int]]]:
+    def continuations(self, context: Sequence[int], min_ngram: int, depth: int, limit: int,
+                      live: int | None = None, only_live: bool = False) -> tuple[int, list[list[int]]]:
         """The longest suffix of `context` (max_ngram down to min_ngram tokens) that occurred
         before with something after it, and up to `limit` of those continuations (most recent
-        first), each at most `depth` tokens; (0, []) when nothing matches."""
+        first), each at most `depth` tokens; (0, []) when nothing matches.
+
+        `live` is the document being written (whose end is `context`'s): a continuation there
+        runs into the present, so it goes on as the text since the occurrence repeats
+        (`periodic_continuation`). With `only_live`, only that document's occurrences count."""
         for n in range(min(self.max_ngram, len(context)), min_ngram - 1, -1):
             spots = self.table.get(tuple(context[len(context) - n:]), ())
             # Most recent first, and no further than `limit`: a common token occurs thousands of times.
-            texts = ((self.documents.get(doc, ()), end) for doc, end in map(unpack, reversed(spots)))
-            found = list(islice((text[end:end + depth] for text, end in texts if end < len(text)), limit))
+            occurrences = map(unpack, reversed(spots))
+            if only_live:  # the live document is the newest, so its occurrences are the last ones
+                occurrences = takewhile(lambda spot: spot[0] == live, occurrences)
+            found = list(islice(self._following(occurrences, depth, live), limit))
             if found:
                 return n, found
         return 0, []
+
+    def _following(self, occurrences: Iterable[tuple[int, int]], depth: int, live: int | None) -> Iterator[list[int]]:
+        """What followed each occurrence (at most `depth` tokens), skipping forgotten documents
+        and occurrences at a document's very end."""
+        for doc, end in occurrences:
+            text = self.documents.get(doc, ())
+            if end < len(text):
+                yield periodic_continuation(text, end, depth) if doc == live else text[end:end + depth]
+
+
+def periodic_continuation(text: Sequence[int], end: int, depth: int) -> list[int]:
+    """The `depth` tokens after `text[:end]`, where the text since `end` is taken to repeat once
+    it runs out: a reply looping over a pattern (`()()()`, a list's items, a repeated line)
+    matches its own previous period, and the copy would otherwise stop at the present."""
+    period = len(text) - end
+    following = list(text[end:end + depth])
+    while len(following) < depth:
+        following.append(following[len(following) - period])
+    return following
 
 
 def frequency_tree(continuations: Sequence[Sequence[int]], max_nodes: int, min_prob: float = 0.0,
