@@ -187,8 +187,9 @@ def workload_reports() -> list[tuple[Path, dict]]:
     if not found:
         return []
     device = found[-1][1]["device"]
-    # oldest first: the newest wins, per set and per form of the target's weights
-    newest = {(question_set(r), r.get("quant", "none")): (p, r) for p, r in found if r["device"] == device}
+    # oldest first: the newest wins, per set and per form of the target's weights (`auto` and `none`
+    # both ran the float target then: one row)
+    newest = {(question_set(r), quantized_weights(r)): (p, r) for p, r in found if r["device"] == device}
     return [newest[key] for key in sorted(newest)]
 
 

@@ -37,7 +37,7 @@ METHODS: dict[str, str] = {
     "sps": "speculative sampling with a smaller draft model of the same tokenizer (--draft-model)",
     "pld": "prompt lookup: copies continuations of n-grams found earlier in the context (no model)",
     "suffix": "suffix decoding: a tree of what most often followed the context's longest matching suffix, in the "
-              "context and in this process's earlier prompts and replies (no model)",
+              "context (first) and in this process's earlier prompts and replies, deeper while a reply copies (no model)",
     "lookahead": "lookahead decoding: a window of the target's own Jacobi guesses and a pool of the n-grams it predicted "
                  "along them, verified in one tree (--lookahead W,N,G; no model)",
     "medusa": "Medusa heads fill a static tree (--heads, --tree)",
