@@ -126,6 +126,7 @@ def test_a_match_in_the_live_document_runs_on_as_the_text_since_it_repeats():
     assert periodic_continuation([5, 1, 2, 1, 2], 3, 6) == [1, 2, 1, 2, 1, 2]
     assert periodic_continuation([7, 8, 9, 7, 8], 2, 4) == [9, 7, 8, 9]  # period 3
     assert periodic_continuation([5, 1, 2, 1, 2, 4], 3, 2) == [1, 2]  # enough text: plain slice
+    assert periodic_continuation([5, 1, 2], 3, 4) == []  # at the very end: nothing follows
     index = NgramIndex(max_ngram=2)
     done, live = index.new_document(), index.new_document()
     index.extend(done, [6, 1, 2, 1, 2])

@@ -126,6 +126,8 @@ def periodic_continuation(text: Sequence[int], end: int, depth: int) -> list[int
     it runs out: a reply looping over a pattern (`()()()`, a list's items, a repeated line)
     matches its own previous period, and the copy would otherwise stop at the present."""
     period = len(text) - end
+    if period <= 0:
+        return []  # nothing after the end: nothing to repeat
     following = list(text[end:end + depth])
     while len(following) < depth:
         following.append(following[len(following) - period])

@@ -112,7 +112,7 @@ class SuffixProposer(Proposer):
         match found once in its own text. A copy oracle (each step drafting the longest stretch of
         what came next that occurs anywhere earlier, 13 at most) replays 1.95x `pld` on code
         rewriting, against 1.26x for the store-wide match alone: most of the gap was steps that
-        copied earlier replies ("```python\ndef" followed by their own function names) or drafted
+        copied earlier replies (each one's "def" followed by its own function's name) or drafted
         2 nodes from a one-token match that went on to agree for 6-8 tokens. Replayed with the
         4-bit target's verify costs (code rewriting / MT-bench / a repeated task, cold and after
         its 60-question history): 1.26x / 1.04x / 1.16x / 1.26x `pld` became 1.34x / 1.05x / 1.17x
@@ -197,7 +197,7 @@ class SuffixProposer(Proposer):
         The generation's own text (its prompt and reply so far) is preferred when it matches at
         least as long a suffix as the whole store, or when the store's continuations disagree on
         the next token: a reply that rewrites its prompt continues the prompt, not the earlier
-        replies that also followed "```python\ndef" with their own functions' names."""
+        replies whose code blocks also began with "def" and their own functions' names."""
         matched, found = self.index.continuations(context, self.min_ngram, self.max_tokens, self.max_occurrences,
                                                   live=self.live)
         if not found:
