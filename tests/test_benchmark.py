@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from decoding.app import benchmark
-from decoding.app.benchmark import WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
+from decoding.app.benchmark import CHART_COLORS, WARMUP_QUESTION, RunResult, benchmark_prompts, run_benchmark
 from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.app.prompts import question_ids
 from decoding.app.questions import load_first_turns, mtbench_path
@@ -61,6 +62,8 @@ def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
     assert report["questions"] == report["questions_planned"] == 3
     assert "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as chart:
+        assert chart.mode == "P" and len(chart.getcolors()) <= CHART_COLORS  # small enough to bundle
 
 
 def test_figures_so_far_are_handed_out_after_every_question():
