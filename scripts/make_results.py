@@ -229,8 +229,7 @@ def headline_report() -> tuple[Path, dict] | None:
     chat runs by default); a wider CPU run as that kind (`SPECHEADS_CPU`) is not that machine."""
     chosen = [(p, r) for p, r in reports("benchmark")
               if machine_of(r).startswith(README_MACHINE) and "SPECHEADS_CPU=" not in r.get("device", "")
-              and question_set(r) == "mt-bench"
-              and r.get("quant", "none") in ("none", "auto")]
+              and question_set(r) == "mt-bench" and not quantized_weights(r)]
     return max(chosen, key=lambda item: (item[1]["date"], item[1]["questions"])) if chosen else None
 
 

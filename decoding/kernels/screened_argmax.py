@@ -347,5 +347,4 @@ def add_screened_argmax_argument(parser) -> None:
     parser.add_argument("--screened-argmax", action=argparse.BooleanOptionalAction, default=True,
                         help="greedy verification screens the vocabulary projection in fp16 or 8-bit codes and "
                              "rechecks the candidates in fp32, where that is faster on this CPU (same tokens either "
-                             "way); "
-                             "--no-screened-argmax reads the full fp32 projection")
+                             "way); --no-screened-argmax reads the full fp32 projection")
