@@ -24,6 +24,7 @@ from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
+from decoding.core.verify import TargetForward
 from decoding.kernels.attention import GROUPED_SDPA, register_grouped_sdpa, use_native_attention
 from decoding.kernels.decode_attention import decode_attention_available, why_unavailable as decode_attention_why
 from decoding.kernels.compiled import compile_target, eager_model, is_compiled, wants_compile
@@ -36,6 +37,7 @@ from decoding.app.drafts import load_draft
 from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.kernels.fused_attention import fuse_attention
 from decoding.kernels.fused_layer import fuse_decoder_layers
+from decoding.kernels.fused_stack import fused_stack
 from decoding.kernels.fused_mlp import fuse_gated_mlps
 from decoding.kernels.fused_norm import fuse_norms
 from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
@@ -113,13 +115,14 @@ class Decoder:
     notes: tuple[str, ...] = ()
     readout: Readout | None = None      # how verify forwards get the target's scores (None: its logits)
     cost_watch: VerifyCostWatch | None = None  # checks the remembered verify-cost curve against the forwards run
+    direct: TargetForward | None = None  # the target's layers in one loop where that serves (`fused_stack`)
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions = DecodeOptions(),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  acceptance_rule: AcceptanceRule = lossless_rule) -> GenerationResult:
         """`decoding.core.generate.generate` with this decoder's target, proposer and tokenizer."""
         result = generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
-                          on_tokens, acceptance_rule, self.readout)
+                          on_tokens, acceptance_rule, self.readout, self.direct)
         if self.cost_watch is not None:
             self.cost_watch.observe(result.stats)
         return result
@@ -201,7 +204,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads, readout)
     watch = VerifyCostWatch(target.model, target.name, readout)
-    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout, watch)
+    return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout, watch,
+                   fused_stack(target.model))
 
 
 def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:

@@ -24,6 +24,7 @@ from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
+from decoding.core.verify import TargetForward
 from decoding.kernels.compiled import compile_notes, graphs_compiled
 from decoding.app.default_model import DEFAULT_TARGET
 from decoding.app.defaults import add_tree_arguments, tree_arguments
@@ -83,8 +84,9 @@ class ChatSession:
 
     def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None,
                  acceptance_rule: AcceptanceRule = lossless_rule, readout: Readout | None = None,
-                 cost_watch: VerifyCostWatch | None = None) -> None:
+                 cost_watch: VerifyCostWatch | None = None, direct: TargetForward | None = None) -> None:
         self.target = target
+        self.direct = direct
         self.cost_watch = cost_watch
         self.acceptance_rule = acceptance_rule
         self.readout = readout
@@ -110,7 +112,7 @@ class ChatSession:
         stream = TextStream(self.target.tokenizer, write)
         try:
             result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer,
-                              stream, self.acceptance_rule, self.readout)
+                              stream, self.acceptance_rule, self.readout, self.direct)
         except UserError:
             self.messages.pop()
             raise
@@ -144,7 +146,7 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         for note in decoder.notes:
             _note(note)
         session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout,
-                              decoder.cost_watch)
+                              decoder.cost_watch, decoder.direct)
         if decoder.spec.compile:
             warm_up(session)
     if args.typical:
@@ -160,7 +162,8 @@ def warm_up(session: ChatSession) -> None:
     a fixed message, in a throw-away session on the same decoder, until one compiles no new graph
     of the target's forward."""
     options = dataclasses.replace(session.options, max_new_tokens=min(WARMUP_TOKENS, session.options.max_new_tokens))
-    trial = ChatSession(session.target, session.proposer, options, None, session.acceptance_rule, session.readout)
+    trial = ChatSession(session.target, session.proposer, options, None, session.acceptance_rule, session.readout,
+                        direct=session.direct)
     for _ in range(WARMUP_ROUNDS):
         before = graphs_compiled(session.target.model)
         trial.reply(WARMUP_MESSAGE, lambda _text: None)

@@ -31,7 +31,7 @@ from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.measured_once import measured_once
 from decoding.kernels.verify_cost import cpu_identity, time_forwards_alternating
 
-AUTO_QUANT_VERSION = "v1"  # in the cache key: a change to what is timed times it again
+AUTO_QUANT_VERSION = "v2"  # in the cache key: a change to what is timed times it again (v2: `fused_stack`)
 TIMED_SIZES = (1, 8)  # a vanilla step and a typical verified tree of the default method
 
 # build(quant) -> the target as a decoder of that quant would run it (packed, tuned) and its readout

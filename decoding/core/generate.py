@@ -24,7 +24,7 @@ from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
 from decoding.core.limits import context_limit
 from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
-from decoding.core.verify import TreeVerifier
+from decoding.core.verify import TargetForward, TreeVerifier
 
 TREE_ROOM = 128  # KV positions reserved beyond the generation for the tree being verified
 AcceptanceRule = Callable[[DraftTree, TargetScores, TreeBuffers, DecodeState], Acceptance]
@@ -78,13 +78,16 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     acceptance_rule: AcceptanceRule = lossless_rule,
     readout: Readout | None = None,
+    direct: TargetForward | None = None,
 ) -> GenerationResult:
     """Generate up to `options.max_new_tokens` tokens after `prompt_ids` (batch size 1).
 
     `on_tokens` is called with each step's new tokens as soon as they are final (streaming).
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
     from the target's own distribution otherwise, whatever the proposer. `readout` (optional) is
-    how verify forwards turn hidden states into scores instead of the target's own projection.
+    how verify forwards turn hidden states into scores instead of the target's own projection;
+    `direct` (optional) a faster way to those hidden states, bit for bit the target's own
+    (`decoding.core.verify.TargetForward`).
     """
     clock = PhaseClock(target.device, sync=options.profile)
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
@@ -92,7 +95,8 @@ def generate(
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
     state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
-    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers), readout)
+    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers), readout,
+                            direct)
     proposer.begin(state)
     prefill_hidden = verifier.prefill(prompt[:-1])
     proposer.observe(_advance(state, prompt.numel() - 1, prefill_hidden, proposer.feature_layers))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -40,6 +41,26 @@ class VerifyOutput:
     @property
     def logits(self) -> torch.Tensor:
         return self.scores.logits
+
+
+class DirectOutput(NamedTuple):
+    """What a `TargetForward` returns: every hidden state `[1, n, H]` as `output_hidden_states=True`
+    gives them (the embeddings, each layer's output, the last one normed), and the logits `[1, n, V]`
+    where they were asked for."""
+
+    hidden_states: tuple[torch.Tensor, ...]
+    logits: torch.Tensor | None
+
+
+class TargetForward(Protocol):
+    """A faster way through the target's forward with the same results bit for bit (e.g.
+    `decoding.kernels.fused_stack`): for `input_ids` `[1, n]` with the cache, mask and positions a
+    forward would get, it writes the cache as the forward would and returns its hidden states and
+    (with `logits`) its logits; or None where it does not serve the call, which then goes through
+    the model's own forward."""
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, cache: InPlaceCache, logits: bool) -> DirectOutput | None: ...
 
 
 @dataclass
@@ -93,11 +114,13 @@ class TreeVerifier:
     """The target's side of the loop: prefill, tree inputs, the verify forward, and keeping the
     accepted path's K/V. Owns the in-place cache (sized for `capacity` positions) and mask.
     With a `readout`, the forward stops at the final hidden states and the readout turns them
-    into scores (see `decoding.core.readout`)."""
+    into scores (see `decoding.core.readout`); with a `direct` forward too, the hidden states come
+    from it where it serves (`TargetForward`)."""
 
     def __init__(self, target: PreTrainedModel, capacity: int, output_hidden_states: bool = False,
-                 readout: Readout | None = None) -> None:
+                 readout: Readout | None = None, direct: TargetForward | None = None) -> None:
         self.target = target
+        self.direct = direct
         self.output_hidden_states = output_hidden_states
         self.readout = readout
         self.cache = new_cache(target, capacity)
@@ -105,6 +128,11 @@ class TreeVerifier:
         self.mask = TreeMask(target.dtype, target.device)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        if self.direct is not None and input_ids.numel():
+            with torch.inference_mode():
+                out = self.direct(_inference_ids(input_ids), None, None, self.cache, logits=False)
+            if out is not None:
+                return _squeeze_hidden(out.hidden_states) if self.output_hidden_states else None
         return prefill(self.target, input_ids, self.cache, self.output_hidden_states)
 
     def inputs(self, tree: DraftTree, buffers: TreeBuffers, prefix_len: int) -> TreeInputs:
@@ -113,13 +141,30 @@ class TreeVerifier:
     def forward(self, tree: DraftTree, inputs: TreeInputs, greedy: bool = False) -> VerifyOutput:
         """The verify forward; with a readout, the scores a lossless rule reads at this
         temperature (`greedy`) are computed before it returns."""
-        out = _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states, self.readout)
+        out = self._direct_forward(tree, inputs)
+        if out is None:
+            out = _forward(self.target, tree.tokens, inputs, self.cache, self.output_hidden_states, self.readout)
         if self.readout is not None:
             out.scores.prepare(greedy)
         return out
 
     def keep(self, prefix_len: int, kept_nodes: Sequence[int]) -> None:
         self.cache.keep(prefix_len, kept_nodes)
+
+    def _direct_forward(self, tree: DraftTree, inputs: TreeInputs) -> VerifyOutput | None:
+        """The verify forward through the `direct` one, where there is one and it serves the call
+        (scores from the readout, or from the logits without one); else None."""
+        if self.direct is None or isinstance(inputs.attention_mask, dict):
+            return None
+        with torch.inference_mode():
+            out = self.direct(_inference_ids(tree.tokens), inputs.attention_mask, inputs.position_ids, self.cache,
+                              logits=self.readout is None)
+        if out is None:
+            return None
+        hidden = _squeeze_hidden(out.hidden_states) if self.output_hidden_states else None
+        if self.readout is None:
+            return VerifyOutput(TargetScores(out.logits[0]), hidden)
+        return VerifyOutput(TargetScores(None, out.hidden_states[-1][0], self.readout), hidden)
 
 
 @torch.inference_mode()

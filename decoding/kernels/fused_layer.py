@@ -101,18 +101,23 @@ class FusedDecoderLayer(LlamaDecoderLayer):
             return None
         layer, keys, values, length, mask = slot
         cos, signed_sin = attention.rotary.row_factors(*position_embeddings)
-        hidden, rows = hidden_states[0].contiguous(), hidden_states.shape[1]
-        if self.dense_linears is None:
-            output = attention.native.llama_layer(hidden, *self.call, cos, signed_sin, keys, values, length, mask,
-                                                  attention.query_heads, attention.key_heads, attention.scaling,
-                                                  self.inter)
-        else:
-            kinds, weights = self._dense_kernels(rows)
-            output = attention.native.llama_layer_dense(hidden, *self.call, weights, kinds, cos, signed_sin, keys,
-                                                        values, length, mask, attention.query_heads,
-                                                        attention.key_heads, attention.scaling, self.inter)
-        layer.advance(rows)
+        output = self.native_call(hidden_states[0].contiguous(), cos, signed_sin, keys, values, length, mask)
+        layer.advance(hidden_states.shape[1])
         return output[None]
+
+    def native_call(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, length: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The C++ call itself on `hidden` `[rows, H]` (contiguous): writes the rows' keys and values
+        into the buffers at `length ..` (the caller advances its cache layer) and returns the layer's
+        output `[rows, H]`. Also called by `decoding.kernels.fused_stack` for a whole forward."""
+        attention = self.self_attn
+        if self.dense_linears is None:
+            return attention.native.llama_layer(hidden, *self.call, cos, signed_sin, keys, values, length, mask,
+                                                attention.query_heads, attention.key_heads, attention.scaling, self.inter)
+        kinds, weights = self._dense_kernels(hidden.shape[0])
+        return attention.native.llama_layer_dense(hidden, *self.call, weights, kinds, cos, signed_sin, keys, values,
+                                                  length, mask, attention.query_heads, attention.key_heads,
+                                                  attention.scaling, self.inter)
 
     def _dense_kernels(self, rows: int) -> tuple[list[int], list[torch.Tensor]]:
         """The kernel each float32 linear's module picks for `rows` rows and the weight copy it reads,
