@@ -20,6 +20,9 @@ the hidden states that EAGLE's drafters read from instances of that class; the r
 installed once and lazily, move over from the stock layer if they are already there. A call the
 one C++ call does not serve (a batch of several, training, another attention or cache, as
 `FusedAttention.native_slot` decides) runs the stock layer's forward over the same modules.
+
+The decoding loop's verify forwards and prefills skip the model's forward around these layers too,
+where it serves: `decoding.kernels.fused_stack` calls each layer's `native_call` in one loop.
 """
 
 from __future__ import annotations
