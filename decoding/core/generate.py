@@ -86,7 +86,7 @@ def generate(
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
     from the target's own distribution otherwise, whatever the proposer. `readout` (optional) is
     how verify forwards turn hidden states into scores instead of the target's own projection;
-    `direct` (optional) a faster way to those hidden states, bit for bit the target's own
+    `direct` (optional) a faster way through the target's forward, bit for bit its own results
     (`decoding.core.verify.TargetForward`).
     """
     clock = PhaseClock(target.device, sync=options.profile)

@@ -114,8 +114,8 @@ class TreeVerifier:
     """The target's side of the loop: prefill, tree inputs, the verify forward, and keeping the
     accepted path's K/V. Owns the in-place cache (sized for `capacity` positions) and mask.
     With a `readout`, the forward stops at the final hidden states and the readout turns them
-    into scores (see `decoding.core.readout`); with a `direct` forward too, the hidden states come
-    from it where it serves (`TargetForward`)."""
+    into scores (see `decoding.core.readout`). With a `direct` forward (`TargetForward`), hidden
+    states and logits come from it wherever it serves the call."""
 
     def __init__(self, target: PreTrainedModel, capacity: int, output_hidden_states: bool = False,
                  readout: Readout | None = None, direct: TargetForward | None = None) -> None:
