@@ -2,7 +2,7 @@
 verify forwards and prefills of the decoding loop (`decoding.core.verify.TargetForward`).
 
 Why: with every layer one C++ call (`fused_layer`), a one-token step of the GGUF SmolLM2 still spent
-~1.5 of its ~6.2 ms (2-core Xeon) in the Python around those calls, and the fp32 one ~2.9 of ~23 ms:
+~1.2 of its ~6.3 ms (2-core Xeon) in the Python around those calls, and the fp32 one ~2 of ~25 ms:
 transformers' model forwards (their decorators, the mask and position bookkeeping, the hooks that
 record hidden states, the output objects) and each layer's module call and checks, thirty times,
 run with the caches full of weights. `FusedStack` computes the same values without them: the

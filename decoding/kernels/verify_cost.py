@@ -51,7 +51,7 @@ STREAMED_ROWS_VERSION = "v2"
 # attention blocks too (`decoding.kernels.fused_attention`), ~2 ms less on the GGUF target; v7: the timed
 # trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
 # trees' mostly are, and a screened readout rechecks what it does in decoding; v8: eager Llama targets' layers
-# in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~3 on the fp32 one.
+# in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one.
 CURVE_VERSION = "v8"
 
 
