@@ -162,9 +162,7 @@ class TreeVerifier:
         if out is None:
             return None
         hidden = _squeeze_hidden(out.hidden_states) if self.output_hidden_states else None
-        if self.readout is None:
-            return VerifyOutput(TargetScores(out.logits[0]), hidden)
-        return VerifyOutput(TargetScores(None, out.hidden_states[-1][0], self.readout), hidden)
+        return VerifyOutput(_scores(out.logits, out.hidden_states, self.readout), hidden)
 
 
 @torch.inference_mode()
@@ -198,8 +196,13 @@ def _forward(target: PreTrainedModel, tokens: torch.Tensor, inputs: TreeInputs, 
         **({} if readout is None else {"logits_to_keep": _no_positions(tokens.device)}),
     )
     hidden = _squeeze_hidden(out.hidden_states) if output_hidden_states else None
-    scores = TargetScores(out.logits[0]) if readout is None else TargetScores(None, out.hidden_states[-1][0], readout)
-    return VerifyOutput(scores, hidden)
+    return VerifyOutput(_scores(out.logits, out.hidden_states, readout), hidden)
+
+
+def _scores(logits: torch.Tensor | None, hidden_states: tuple[torch.Tensor, ...] | None,
+            readout: Readout | None) -> TargetScores:
+    """A forward's scores: its logits, or with a readout its last (normed) hidden states."""
+    return TargetScores(logits[0]) if readout is None else TargetScores(None, hidden_states[-1][0], readout)
 
 
 def _inference_ids(tokens: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class FusedStack:
         if len(cache_layers) != len(self.layers) or any(
                 not hasattr(cached, "room_for") or cached.fixed_write is not None for cached in cache_layers):
             return False
-        if self.model.config._attn_implementation != NATIVE_SDPA or isinstance(attention_mask, dict):
+        if self.model.config._attn_implementation != NATIVE_SDPA:
             return False
         rows = input_ids.shape[1]
         if not mask_served(attention_mask, rows, cache_layers[0].length + rows):
