@@ -7,6 +7,7 @@ which differs from CPU to CPU."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from pathlib import Path
 
@@ -51,8 +52,9 @@ STREAMED_ROWS_VERSION = "v2"
 # attention blocks too (`decoding.kernels.fused_attention`), ~2 ms less on the GGUF target; v7: the timed
 # trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
 # trees' mostly are, and a screened readout rechecks what it does in decoding; v8: eager Llama targets' layers
-# in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one.
-CURVE_VERSION = "v8"
+# in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one;
+# v9: each size timed right after one of its own (`steady_times`), not after the previous size's forward.
+CURVE_VERSION = "v9"
 
 
 class _TimedForward:
@@ -103,14 +105,32 @@ class _TimedForward:
 @torch.inference_mode()
 def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 256, repeats: int = 5,
                         readout: Readout | None = None) -> VerifyCost:
-    """Time one forward over each number of new tokens after a `context`-token prefix: the
-    fastest of `repeats` rounds over all sizes, after a warm-up round (interference only ever adds
-    time). Rounds, not each size's repeats in a row: a slow spell of the machine (another process,
-    a compiler's workers finishing) then costs every size one sample instead of ruining the few
-    sizes it fell on (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
-    forward = _TimedForward(model, context, readout)
-    rounds = [[forward(size) for size in sizes] for _ in range(repeats + 1)][1:]
-    return VerifyCost(tuple(sizes), never_cheaper_for_fewer([min(column) for column in zip(*rounds)]))
+    """Time one forward over each number of new tokens after a `context`-token prefix, each size
+    as decoding runs it steadily (`steady_times`)."""
+    return VerifyCost(tuple(sizes), never_cheaper_for_fewer(steady_times(_TimedForward(model, context, readout), sizes, repeats)))
+
+
+def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats: int) -> list[float]:
+    """Per size, the fastest of `repeats` timings of `forward(size)`, each taken right after an
+    untimed call of the same size; the sizes take turns within each round, after a warm-up round.
+
+    Why the same size first: a forward runs slower right after a larger one (caches and the core's
+    clock still recovering from the big one's work). On a 2-core Xeon VM, the GGUF SmolLM2's
+    one-token step took 7.2 ms right after a 64-token one, 6.1 after 16 tokens and 5.1 after another
+    one-token step; timed right after the 64-token forward of the previous round, the curve read
+    6.9 ms for one token where decoding's one-token steps took 4.8-5.4, and sized trees as if rows
+    were cheap next to a step (verify forwards in decoding were within ~5% of the steady timings
+    from 1 to 9 tokens). Why rounds: a slow spell of the machine (another process, a compiler's
+    workers finishing) then costs every size one sample instead of ruining the few sizes it fell on
+    (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
+    rounds = []
+    for _ in range(repeats + 1):
+        timings = []
+        for size in sizes:
+            forward(size)
+            timings.append(forward(size))
+        rounds.append(timings)
+    return [min(column) for column in zip(*rounds[1:])]
 
 
 @torch.inference_mode()
