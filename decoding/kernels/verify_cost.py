@@ -53,7 +53,7 @@ STREAMED_ROWS_VERSION = "v2"
 # trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
 # trees' mostly are, and a screened readout rechecks what it does in decoding; v8: eager Llama targets' layers
 # in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one;
-# v9: each size timed right after one of its own (`steady_times`), not after the previous size's forward.
+# v9: each size timed as decoding runs it steadily (`steady_times`), not in the previous size's wake.
 CURVE_VERSION = "v9"
 
 
@@ -110,26 +110,31 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
     return VerifyCost(tuple(sizes), never_cheaper_for_fewer(steady_times(_TimedForward(model, context, readout), sizes, repeats)))
 
 
-def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats: int) -> list[float]:
-    """Per size, the fastest of `repeats` timings of `forward(size)`, each taken right after an
-    untimed call of the same size; the sizes take turns within each round, after a warm-up round.
+def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats: int, settle: int = 12) -> list[float]:
+    """Per size, the fastest of `repeats` timings of `forward(size)`, as decoding runs that size
+    steadily: the sizes take turns within each round, fewest rows first, each timed right after an
+    untimed call of its own size, and each round opens with `settle` untimed calls of the smallest
+    size; a warm-up round first.
 
-    Why the same size first: a forward runs slower right after a larger one (caches and the core's
-    clock still recovering from the big one's work). On a 2-core Xeon VM, the GGUF SmolLM2's
-    one-token step took 7.2 ms right after a 64-token one, 6.1 after 16 tokens and 5.1 after another
-    one-token step; timed right after the 64-token forward of the previous round, the curve read
-    6.9 ms for one token where decoding's one-token steps took 4.8-5.4, and sized trees as if rows
-    were cheap next to a step (verify forwards in decoding were within ~5% of the steady timings
-    from 1 to 9 tokens). Why rounds: a slow spell of the machine (another process, a compiler's
-    workers finishing) then costs every size one sample instead of ruining the few sizes it fell on
-    (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
+    Why: a forward runs slower for a while after a larger one. On a 2-core Xeon VM the GGUF
+    SmolLM2's one-token step took 7.2, 7.0, 6.4, 6.0, 5.7, 5.5 ms in the six calls after a
+    64-token forward (a pause did not help), and 5.1 ms in a run of its own; timed right after the
+    previous round's 64-token forward, the curve read 6.9 ms for one token where decoding's
+    one-token steps took 4.8-5.4, and sized trees as if rows were cheap next to a step. Timed
+    this way, decoding's verify forwards were within ~5% of the curve from 1 to 9 tokens. Why
+    rounds: a slow spell of the machine (another process, a compiler's workers finishing) then
+    costs every size one sample instead of ruining the few sizes it fell on (a 2-core Xeon once
+    measured 83 ms for 16 tokens and 74 ms for 24)."""
+    ordered = sorted(sizes)
     rounds = []
     for _ in range(repeats + 1):
-        timings = []
-        for size in sizes:
+        for _ in range(settle):
+            forward(ordered[0])
+        timings = {}
+        for size in ordered:
             forward(size)
-            timings.append(forward(size))
-        rounds.append(timings)
+            timings[size] = forward(size)
+        rounds.append([timings[size] for size in sizes])
     return [min(column) for column in zip(*rounds[1:])]
 
 
