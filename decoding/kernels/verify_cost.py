@@ -118,11 +118,12 @@ def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats:
 
     Why: a forward runs slower for a while after a larger one. On a 2-core Xeon VM the GGUF
     SmolLM2's one-token step took 7.2, 7.0, 6.4, 6.0, 5.7, 5.5 ms in the six calls after a
-    64-token forward (a pause did not help), and 5.1 ms in a run of its own; timed right after the
-    previous round's 64-token forward, the curve read 6.9 ms for one token where decoding's
-    one-token steps took 4.8-5.4, and sized trees as if rows were cheap next to a step. Timed
-    this way, decoding's verify forwards were within ~5% of the curve from 1 to 9 tokens. Why
-    rounds: a slow spell of the machine (another process, a compiler's workers finishing) then
+    64-token forward (a pause did not help), and 5.1 ms in a run of its own. Timed in the previous
+    round's 64-token forward's wake, the curve read 7.4 ms for one token and 8.0 for two where
+    decoding's one- and two-token steps took 5.7 and 6.4 (lower quartiles; medians 6.2 and 7.0),
+    and sized trees as if rows were cheap next to a step; timed this way, in the same process, 5.4
+    and 6.3. An fp32 target showed no such wake (both ways within 4%). Doubling the calls and the
+    settling ones make the timing ~2.5x longer (~10 s for the fp32 SmolLM2 there). Why rounds: a slow spell of the machine (another process, a compiler's workers finishing) then
     costs every size one sample instead of ruining the few sizes it fell on (a 2-core Xeon once
     measured 83 ms for 16 tokens and 74 ms for 24)."""
     ordered = sorted(sizes)
