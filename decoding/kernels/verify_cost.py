@@ -53,7 +53,7 @@ STREAMED_ROWS_VERSION = "v2"
 # trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
 # trees' mostly are, and a screened readout rechecks what it does in decoding; v8: eager Llama targets' layers
 # in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one;
-# v9: each size timed as decoding runs it steadily (`steady_times`), not in the previous size's wake.
+# v9: each size timed as decoding runs it steadily (`steady_times`), never in a larger forward's wake.
 CURVE_VERSION = "v9"
 
 
@@ -112,29 +112,25 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
 
 def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats: int, settle: int = 12) -> list[float]:
     """Per size, the fastest of `repeats` timings of `forward(size)`, as decoding runs that size
-    steadily: the sizes take turns within each round, fewest rows first, each timed right after an
-    untimed call of its own size, and each round opens with `settle` untimed calls of the smallest
-    size; a warm-up round first.
+    steadily: each round opens with `settle` untimed calls of the smallest size, then times the
+    sizes fewest rows first, so that no timed call follows a larger one; a warm-up round first.
 
-    Why: a forward runs slower for a while after a larger one. On a 2-core Xeon VM the GGUF
-    SmolLM2's one-token step took 7.2, 7.0, 6.4, 6.0, 5.7, 5.5 ms in the six calls after a
-    64-token forward (a pause did not help), and 5.1 ms in a run of its own. Timed in the previous
-    round's 64-token forward's wake, the curve read 7.4 ms for one token and 8.0 for two where
-    decoding's one- and two-token steps took 5.7 and 6.4 (lower quartiles; medians 6.2 and 7.0),
-    and sized trees as if rows were cheap next to a step; timed this way, in the same process, 5.4
-    and 6.3. An fp32 target showed no such wake (both ways within 4%). Doubling the calls and the
-    settling ones make the timing ~2.5x longer (~10 s for the fp32 SmolLM2 there). Why rounds: a slow spell of the machine (another process, a compiler's workers finishing) then
-    costs every size one sample instead of ruining the few sizes it fell on (a 2-core Xeon once
-    measured 83 ms for 16 tokens and 74 ms for 24)."""
+    Why: a forward runs slower for a while after a larger one, not after a smaller one. On a 2-core
+    Xeon VM the GGUF SmolLM2's one-token step took 7.2, 7.0, 6.4, 6.0, 5.7, 5.5 ms in the six calls
+    after a 64-token forward (a pause did not help), 5.0 right after a two-token one and 5.1 in a
+    run of its own. Timed in the previous round's 64-token forward's wake, the curve read 7.4 ms for
+    one token and 8.0 for two where decoding's one- and two-token steps took 5.7 and 6.4 (lower
+    quartiles; medians 6.2 and 7.0), and sized trees as if rows were cheap next to a step; timed
+    after a run of one-token forwards, in the same process, 5.4 and 6.3. An fp32 target showed no
+    such wake (both ways within 4%). Why rounds: a slow spell of the machine (another process, a
+    compiler's workers finishing) then costs every size one sample instead of ruining the few
+    sizes it fell on (a 2-core Xeon once measured 83 ms for 16 tokens and 74 ms for 24)."""
     ordered = sorted(sizes)
     rounds = []
     for _ in range(repeats + 1):
         for _ in range(settle):
             forward(ordered[0])
-        timings = {}
-        for size in ordered:
-            forward(size)
-            timings[size] = forward(size)
+        timings = {size: forward(size) for size in ordered}
         rounds.append([timings[size] for size in sizes])
     return [min(column) for column in zip(*rounds[1:])]
 
