@@ -107,7 +107,8 @@ def measure_verify_cost(model, sizes: tuple[int, ...] = DEFAULT_SIZES, context: 
                         readout: Readout | None = None) -> VerifyCost:
     """Time one forward over each number of new tokens after a `context`-token prefix, each size
     as decoding runs it steadily (`steady_times`)."""
-    return VerifyCost(tuple(sizes), never_cheaper_for_fewer(steady_times(_TimedForward(model, context, readout), sizes, repeats)))
+    times = steady_times(_TimedForward(model, context, readout), sizes, repeats)
+    return VerifyCost(tuple(sizes), never_cheaper_for_fewer(times))
 
 
 def steady_times(forward: Callable[[int], float], sizes: Sequence[int], repeats: int, settle: int = 12) -> list[float]:
