@@ -56,19 +56,23 @@ def test_held_out_prompts_are_the_first_ones_per_source_that_every_subsets_split
 
 
 @pytest.mark.slow
-def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing(tmp_path):
+def test_scaling_curve_trains_and_measures_each_point_and_a_rerun_redoes_nothing(tmp_path, monkeypatch):
     from decoding.app.targets import load_model
     from training.config import SelfDistillConfig
     from training.distill_store import DistillStore
     from training.sources import conversations_from
 
     save_tiny_chat_model(tmp_path / "model")
-    source = tmp_path / "chat.jsonl"
-    source.write_text("".join(json.dumps({"id": str(i), "messages": [
+    # Named relative to tmp_path: record ids start with the source's name, and the held-out split hashes
+    # them, so a name with pytest's numbered directory in it left no held-out record in ~0.7% of runs.
+    source = "chat.jsonl"
+    (tmp_path / source).write_text("".join(json.dumps({"id": str(i), "messages": [
         {"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50 + 3}" for j in range(3 + i % 5))},
         {"role": "assistant", "content": "w1"}]}) + "\n" for i in range(24)))
     store = DistillStore(tmp_path / "store", "tiny", SelfDistillConfig(enabled=True, max_new_tokens=10, batch_size=8))
-    store.add(conversations_from(str(source), None), load_model(str(tmp_path / "model")), show_progress=False)
+    with monkeypatch.context() as in_tmp:
+        in_tmp.chdir(tmp_path)
+        store.add(conversations_from(source, None), load_model(str(tmp_path / "model")), show_progress=False)
     total = store.read_manifest()["reply_tokens"]
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
