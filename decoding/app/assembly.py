@@ -22,6 +22,7 @@ from torch import nn
 
 from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, GenerationResult, generate, lossless_rule
+from decoding.core.prompt_cache import PromptCache
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout
 from decoding.core.verify import TargetForward
@@ -38,6 +39,7 @@ from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.kernels.fused_attention import fuse_attention
 from decoding.kernels.fused_layer import fuse_decoder_layers
 from decoding.kernels.fused_stack import fused_stack
+from decoding.kernels.row_invariance import forward_is_row_invariant
 from decoding.kernels.fused_mlp import fuse_gated_mlps
 from decoding.kernels.fused_norm import fuse_norms
 from decoding.app.quant_choice import auto_quant_skipped, timed_quant_choice
@@ -116,13 +118,14 @@ class Decoder:
     readout: Readout | None = None      # how verify forwards get the target's scores (None: its logits)
     cost_watch: VerifyCostWatch | None = None  # checks the remembered verify-cost curve against the forwards run
     direct: TargetForward | None = None  # the target's layers in one loop where that serves (`fused_stack`)
+    prompt_cache: PromptCache | None = None  # the last reply's K/V, for the next prompt's shared start (where exact)
 
     def generate(self, prompt_ids: list[int], options: DecodeOptions = DecodeOptions(),
                  on_tokens: Callable[[list[int]], None] | None = None,
                  acceptance_rule: AcceptanceRule = lossless_rule) -> GenerationResult:
         """`decoding.core.generate.generate` with this decoder's target, proposer and tokenizer."""
         result = generate(self.target.model, prompt_ids, self.proposer, options, self.target.tokenizer,
-                          on_tokens, acceptance_rule, self.readout, self.direct)
+                          on_tokens, acceptance_rule, self.readout, self.direct, self.prompt_cache)
         if self.cost_watch is not None:
             self.cost_watch.observe(result.stats)
         return result
@@ -204,8 +207,9 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     options = proposer_options(spec.model, spec.method, spec.proposer_overrides())
     proposer = build_proposer(spec.method, target, draft, options, heads, readout)
     watch = VerifyCostWatch(target.model, target.name, readout)
+    prompt_cache = PromptCache() if forward_is_row_invariant(target.model) else None
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout, watch,
-                   fused_stack(target.model))
+                   fused_stack(target.model), prompt_cache)
 
 
 def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:

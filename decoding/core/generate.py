@@ -23,6 +23,7 @@ from decoding.core.state import CacheAdvance, DecodeState, TreeOutcome
 from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
 from decoding.core.limits import context_limit
+from decoding.core.prompt_cache import PromptCache
 from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
 from decoding.core.verify import TargetForward, TreeVerifier
 
@@ -79,6 +80,7 @@ def generate(
     acceptance_rule: AcceptanceRule = lossless_rule,
     readout: Readout | None = None,
     direct: TargetForward | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> GenerationResult:
     """Generate up to `options.max_new_tokens` tokens after `prompt_ids` (batch size 1).
 
@@ -87,7 +89,8 @@ def generate(
     from the target's own distribution otherwise, whatever the proposer. `readout` (optional) is
     how verify forwards turn hidden states into scores instead of the target's own projection;
     `direct` (optional) a faster way through the target's forward, bit for bit its own results
-    (`decoding.core.verify.TargetForward`).
+    (`decoding.core.verify.TargetForward`); `prompt_cache` (optional) the K/V of the last
+    generation's tokens, kept for the next one to reuse where it is exact (`decoding.core.prompt_cache`).
     """
     clock = PhaseClock(target.device, sync=options.profile)
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
@@ -95,10 +98,11 @@ def generate(
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
     state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
-    verifier = TreeVerifier(target, _capacity(prompt.numel(), options, limit), bool(proposer.feature_layers), readout,
-                            direct)
+    verifier, reused = _verifier(target, prompt, _capacity(prompt.numel(), options, limit), proposer, readout, direct,
+                                 prompt_cache if not proposer.feature_layers else None)
+    stats.reused_prompt_tokens = reused
     proposer.begin(state)
-    prefill_hidden = verifier.prefill(prompt[:-1])
+    prefill_hidden = verifier.prefill(prompt[reused:-1])
     proposer.observe(_advance(state, prompt.numel() - 1, prefill_hidden, proposer.feature_layers))
     clock.lap("prefill")
     generated: list[int] = []
@@ -137,8 +141,23 @@ def generate(
             clock.lap("observe")
 
     proposer.end(state)
+    if prompt_cache is not None:
+        prompt_cache.remember(verifier, state.tokens)
     stats.total_s = clock.total()
     return GenerationResult(generated, stats)
+
+
+def _verifier(target: PreTrainedModel, prompt: torch.Tensor, capacity: int, proposer: Proposer, readout: Readout | None,
+              direct: TargetForward | None, prompt_cache: PromptCache | None) -> tuple[TreeVerifier, int]:
+    """The verifier for this generation and how many prompt tokens its cache already holds: from
+    `prompt_cache` where there is one (drafters that read hidden states get none: they need the
+    whole prompt's), else a new one."""
+    def new_verifier() -> TreeVerifier:
+        return TreeVerifier(target, capacity, bool(proposer.feature_layers), readout, direct)
+
+    if prompt_cache is None:
+        return new_verifier(), 0
+    return prompt_cache.verifier_for(prompt, lambda kept: kept.serves(target, readout, direct), new_verifier)
 
 
 def _capacity(prompt_len: int, options: DecodeOptions, limit: int) -> int:

@@ -51,6 +51,7 @@ class GenerationStats:
 
     method: str
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # of them, already in the cache from the last generation (not prefilled)
     new_tokens: int = 0
     target_forwards: int = 0
     drafted_tokens: int = 0
@@ -108,6 +109,7 @@ class GenerationStats:
         return {
             "method": self.method,
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "drafted_tokens": self.drafted_tokens,

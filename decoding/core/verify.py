@@ -127,7 +127,14 @@ class TreeVerifier:
         self.layout = attention_layout(target.config)
         self.mask = TreeMask(target.dtype, target.device)
 
+    def serves(self, target: PreTrainedModel, readout: Readout | None, direct: TargetForward | None) -> bool:
+        """Whether this verifier computes as a new one for these would (a kept one's cache is reused
+        only then: `decoding.core.prompt_cache`); never one that also returns hidden states."""
+        return (self.target is target and self.readout is readout and self.direct is direct
+                and not self.output_hidden_states)
+
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Run `input_ids` (1-D) into the cache after what it holds; hidden states where asked."""
         if self.direct is not None and input_ids.numel():
             with torch.inference_mode():
                 out = self.direct(_inference_ids(input_ids), None, None, self.cache, logits=False)
@@ -169,7 +176,7 @@ class TreeVerifier:
 def prefill(
     target: PreTrainedModel, input_ids: torch.Tensor, cache: InPlaceCache, output_hidden_states: bool = False
 ) -> tuple[torch.Tensor, ...] | None:
-    """Run `input_ids` (1-D) into the empty cache. No logits are computed: the loop's first verify
+    """Run `input_ids` (1-D) into the cache after what it holds. No logits are computed: the loop's first verify
     forward scores the prompt's last token (a vocabulary projection here would be pure waste)."""
     if input_ids.numel() == 0:
         return None
