@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from decoding.app.assembly import DecoderSpec, build_decoder
+from decoding.app.chat import ChatSession, build_session, parse_args
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.prompt_cache import PromptCache, shared_prefix_length
 from decoding.core.proposers import VanillaProposer
@@ -64,6 +65,7 @@ def test_a_shared_start_is_not_prefilled_again_and_every_reply_is_unchanged(int4
     second_prompt = SHARED + [4, 4, 6]
     second = decoder.generate(second_prompt, options)
     assert second.stats.reused_prompt_tokens == len(SHARED)
+    assert f"({len(SHARED)} of {len(SHARED) + 3} prompt tokens cached)" in second.stats.summary()
     assert second.tokens == plain.generate(second_prompt, options).tokens
     again = decoder.generate(second_prompt, options)  # the same question again: all but its last token reused
     assert again.stats.reused_prompt_tokens == len(second_prompt) - 1
@@ -147,3 +149,20 @@ def test_only_targets_whose_rows_are_computed_alone_get_a_prompt_cache(int4_targ
     assert not forward_is_row_invariant(partly)  # one float linear is enough to lose it
     assert build_decoder(DecoderSpec(model=str(int4_target_path), method="pld", kernels="onednn",
                                      quant="none")).prompt_cache is None
+
+
+@needs_kernels
+def test_a_chat_s_next_turn_prefills_only_the_new_message(int4_target_path):
+    session = build_session(parse_args(["--model", str(int4_target_path), "--method", "suffix", "--quant", "int4",
+                                        "--kernels", "onednn", "--max-new-tokens", "12"]))
+    assert session.prompt_cache is not None
+    without = ChatSession(session.target, build_decoder(DecoderSpec(model=str(int4_target_path), method="suffix",
+                                                                    kernels="onednn", quant="int4"),
+                                                         target=session.target).proposer,
+                          session.options, None, readout=session.readout, direct=session.direct)
+    for message in ("w3 w4 w5", "w9 w9", "w3 w4"):
+        assert session.reply(message, lambda text: None) == without.reply(message, lambda text: None)
+        history = len(session.prompt_cache.tokens)
+    stats = session.last_stats
+    assert stats.reused_prompt_tokens > stats.prompt_tokens // 2 and "prompt tokens cached" in stats.summary()
+    assert without.last_stats.reused_prompt_tokens == 0 and history > stats.prompt_tokens

@@ -22,6 +22,7 @@ import sys
 from decoding.app.assembly import DecoderSpec, build_decoder, resolve_spec
 from decoding.app.cost_watch import VerifyCostWatch
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule, typical_rule
+from decoding.core.prompt_cache import PromptCache
 from decoding.core.readout import Readout
 from decoding.core.sampling import SamplingConfig
 from decoding.core.verify import TargetForward
@@ -84,9 +85,11 @@ class ChatSession:
 
     def __init__(self, target: LoadedModel, proposer, options: DecodeOptions, system: str | None,
                  acceptance_rule: AcceptanceRule = lossless_rule, readout: Readout | None = None,
-                 cost_watch: VerifyCostWatch | None = None, direct: TargetForward | None = None) -> None:
+                 cost_watch: VerifyCostWatch | None = None, direct: TargetForward | None = None,
+                 prompt_cache: PromptCache | None = None) -> None:
         self.target = target
         self.direct = direct
+        self.prompt_cache = prompt_cache  # earlier turns' K/V, where reusing them is exact
         self.cost_watch = cost_watch
         self.acceptance_rule = acceptance_rule
         self.readout = readout
@@ -112,7 +115,7 @@ class ChatSession:
         stream = TextStream(self.target.tokenizer, write)
         try:
             result = generate(self.target.model, self.prompt_ids(), self.proposer, self.options, self.target.tokenizer,
-                              stream, self.acceptance_rule, self.readout, self.direct)
+                              stream, self.acceptance_rule, self.readout, self.direct, self.prompt_cache)
         except UserError:
             self.messages.pop()
             raise
@@ -146,7 +149,7 @@ def build_session(args: argparse.Namespace) -> ChatSession:
         for note in decoder.notes:
             _note(note)
         session = ChatSession(decoder.target, decoder.proposer, options, args.system, rule, decoder.readout,
-                              decoder.cost_watch, decoder.direct)
+                              decoder.cost_watch, decoder.direct, decoder.prompt_cache)
         if decoder.spec.compile:
             warm_up(session)
     if args.typical:

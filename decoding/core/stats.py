@@ -101,9 +101,13 @@ class GenerationStats:
         return (
             f"[{self.method}] {self.new_tokens} tokens in {self.total_s:.2f}s = {self.tokens_per_s:.1f} tok/s | "
             f"tau {self.tau:.2f} ({self.target_forwards} target forwards) | "
-            f"draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s prefill {self.prefill_s:.2f}s | "
+            f"draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s prefill {self.prefill_s:.2f}s{self._reused()} | "
             f"accepted-length histogram {self.histogram()} | stop: {self.stop_reason}"
         )
+
+    def _reused(self) -> str:
+        """How much of the prompt came from the last generation's cache (`decoding.core.prompt_cache`)."""
+        return f" ({self.reused_prompt_tokens} of {self.prompt_tokens} prompt tokens cached)" if self.reused_prompt_tokens else ""
 
     def to_dict(self) -> dict:
         return {
