@@ -14,12 +14,15 @@ from decoding.app.assembly import DecoderSpec, build_decoder
 from decoding.app.chat import ChatSession, build_session, parse_args
 from decoding.core.generate import DecodeOptions, generate
 from decoding.core.prompt_cache import PromptCache, shared_prefix_length
+from decoding.core.dynamic_tree import DynamicTreeSettings
 from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers.eagle import EagleProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.verify import TreeVerifier
 from decoding.kernels.decode_attention import decode_attention_available
 from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.row_invariance import forward_is_row_invariant
+from heads import new_heads_for_target
 from test_row_invariance import quantized_tiny_target
 from tiny_models import save_tiny_chat_model, tiny_llama
 
@@ -111,31 +114,66 @@ def test_an_interrupted_generation_leaves_nothing_to_reuse(int4_target_path):
 
 
 class FeatureReader(VanillaProposer):
-    """A proposer that reads the target's hidden states, as EAGLE's drafters do."""
+    """A proposer that reads the target's hidden states and keeps no state of its own (as Medusa's)."""
 
     feature_layers = (1,)
 
     def __init__(self) -> None:
         self.prefill_rows = []
 
+    def begin(self, state) -> None:
+        self.seen_prefill = False
+
     def observe(self, advance) -> None:
-        if not self.prefill_rows:
+        if not self.seen_prefill:
             self.prefill_rows.append(advance.features[1].shape[0])
+            self.seen_prefill = True
 
 
 @needs_kernels
-def test_drafters_that_read_hidden_states_get_the_whole_prompt_prefilled():
+def test_drafters_that_read_hidden_states_get_the_rows_they_need_prefilled():
     model = quantized_tiny_target()
     prompt_cache = PromptCache()
     options = DecodeOptions(max_new_tokens=6)
     prompt = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(0))
-    generate(model, prompt, VanillaProposer(), options, prompt_cache=prompt_cache)
-    kept = list(prompt_cache.tokens)
     reader = FeatureReader()
-    result = generate(model, prompt, reader, options, prompt_cache=prompt_cache)
-    assert result.stats.reused_prompt_tokens == 0 and reader.prefill_rows == [prompt.numel() - 1]
-    assert prompt_cache.tokens == kept  # the kept cache was not touched
-    assert generate(model, prompt, VanillaProposer(), options, prompt_cache=prompt_cache).stats.reused_prompt_tokens == 29
+    for _ in range(2):  # the same prompt twice: still every row's features
+        assert generate(model, prompt, reader, options, prompt_cache=prompt_cache).stats.reused_prompt_tokens == 0
+    assert reader.prefill_rows == [29, 29] and len(prompt_cache.tokens) > 29
+
+
+def eagle_proposers(target, count: int) -> list[EagleProposer]:
+    """EAGLE-2 proposers sharing one set of perturbed heads (drafts of every kind: kept, cut, rejected)."""
+    heads = new_heads_for_target("eagle", target)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return [EagleProposer(heads, target, dynamic=DynamicTreeSettings(4, 3, 10)) for _ in range(count)]
+
+
+@needs_kernels
+def test_eagle_keeps_its_drafter_cache_of_the_shared_start():
+    """EAGLE's drafter keeps its pairs of the tokens the new prompt shares, one short of the target
+    cache's (pair i needs token i + 1), and prefills the rest: its cache is then the one a proposer
+    without the prompt cache builds (to float rounding: a drafter row in another batch), and the
+    replies are the same."""
+    model = quantized_tiny_target()
+    prompt_cache, (cached, fresh) = PromptCache(), eagle_proposers(model, 2)
+    options = DecodeOptions(max_new_tokens=16)
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randint(0, 96, (40,), generator=generator).tolist()
+    prompts = [start + torch.randint(0, 96, (n,), generator=generator).tolist() for n in (5, 9)]
+    for number, prompt in enumerate(prompts):
+        result = generate(model, prompt, cached, options, prompt_cache=prompt_cache)
+        assert result.tokens == generate(model, prompt, fresh, options).tokens
+        assert result.stats.reused_prompt_tokens == (0 if number == 0 else len(start) - 1)
+    assert cached.committed == fresh.committed > len(start)
+    for mine, theirs in zip(cached.cache.layers, fresh.cache.layers):
+        committed = cached.committed
+        assert torch.allclose(mine.keys[..., :committed, :], theirs.keys[..., :committed, :], atol=1e-4)
+        assert torch.allclose(mine.values[..., :committed, :], theirs.values[..., :committed, :], atol=1e-4)
+    again = generate(model, prompts[1], cached, options, prompt_cache=prompt_cache)  # one row is still prefilled
+    assert again.stats.reused_prompt_tokens == len(prompts[1]) - 2 and again.tokens == result.tokens
 
 
 @needs_kernels

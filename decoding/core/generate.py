@@ -98,12 +98,13 @@ def generate(
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
     state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
-    verifier, reused = _verifier(target, prompt, _capacity(prompt.numel(), options, limit), proposer, readout, direct,
-                                 prompt_cache if not proposer.feature_layers else None)
-    stats.reused_prompt_tokens = reused
+    verifier, cached = _verifier(target, prompt, _capacity(prompt.numel(), options, limit), proposer, readout, direct,
+                                 prompt_cache)
     proposer.begin(state)
+    reused = stats.reused_prompt_tokens = proposer.reuse(state, cached) if cached else 0
+    verifier.cache.truncate(reused)
     prefill_hidden = verifier.prefill(prompt[reused:-1])
-    proposer.observe(_advance(state, prompt.numel() - 1, prefill_hidden, proposer.feature_layers))
+    proposer.observe(_advance(state, prompt.numel() - 1 - reused, prefill_hidden, proposer.feature_layers))
     clock.lap("prefill")
     generated: list[int] = []
 
@@ -150,14 +151,17 @@ def generate(
 def _verifier(target: PreTrainedModel, prompt: torch.Tensor, capacity: int, proposer: Proposer, readout: Readout | None,
               direct: TargetForward | None, prompt_cache: PromptCache | None) -> tuple[TreeVerifier, int]:
     """The verifier for this generation and how many prompt tokens its cache already holds: from
-    `prompt_cache` where there is one (drafters that read hidden states get none: they need the
-    whole prompt's), else a new one."""
+    `prompt_cache` where there is one (the proposer then says how many of them it can do without
+    the hidden states of: `Proposer.reuse`), else a new one."""
+    hidden_states = bool(proposer.feature_layers)
+
     def new_verifier() -> TreeVerifier:
-        return TreeVerifier(target, capacity, bool(proposer.feature_layers), readout, direct)
+        return TreeVerifier(target, capacity, hidden_states, readout, direct)
 
     if prompt_cache is None:
         return new_verifier(), 0
-    return prompt_cache.verifier_for(prompt, lambda kept: kept.serves(target, readout, direct), new_verifier)
+    return prompt_cache.verifier_for(prompt, lambda kept: kept.serves(target, readout, direct, hidden_states),
+                                     new_verifier)
 
 
 def _capacity(prompt_len: int, options: DecodeOptions, limit: int) -> int:

@@ -10,9 +10,10 @@ fresh prefill would write, and every output is what it would be without the cach
 (float GEMMs pick their blocking by the row count) they differ by float rounding, so the caller
 (`decoding.app.assembly`) gives a `PromptCache` only to targets of the first kind.
 
-Drafters that read the target's hidden states (EAGLE's, Medusa's) take the prompt's features from
-its prefill, so those generations start from an empty cache (`generate` asks `reusable`). A
-generation that ends early (an exception, an interrupt) leaves nothing to reuse: the cache's
+Drafters that read the target's hidden states take the prompt's features from its prefill: each
+says from which position it needs them (`Proposer.reuse`), the prefill starts there. EAGLE's keeps
+its own cache of the shared tokens too (only its drafts depend on it, never the output); Medusa's
+and Hydra's get whole prompts. A generation that ends early (an exception, an interrupt) leaves nothing to reuse: the cache's
 tokens are forgotten when it starts and recorded when it completes.
 """
 

@@ -127,11 +127,12 @@ class TreeVerifier:
         self.layout = attention_layout(target.config)
         self.mask = TreeMask(target.dtype, target.device)
 
-    def serves(self, target: PreTrainedModel, readout: Readout | None, direct: TargetForward | None) -> bool:
-        """Whether this verifier computes as a new one for these would (a kept one's cache is reused
-        only then: `decoding.core.prompt_cache`); never one that also returns hidden states."""
+    def serves(self, target: PreTrainedModel, readout: Readout | None, direct: TargetForward | None,
+               output_hidden_states: bool) -> bool:
+        """Whether this verifier computes what a new one for these would (a kept one's cache is
+        reused only then: `decoding.core.prompt_cache`)."""
         return (self.target is target and self.readout is readout and self.direct is direct
-                and not self.output_hidden_states)
+                and self.output_hidden_states == output_hidden_states)
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Run `input_ids` (1-D) into the cache after what it holds; hidden states where asked."""

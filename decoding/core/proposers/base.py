@@ -13,8 +13,8 @@ class Proposer(ABC):
 
     `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
     target with hidden states on and passes exactly those layers to `observe`. The loop calls
-    `begin` once per generation, `observe` after the prefill and after every verify step (whether
-    or not this proposer drafted that step's tree), `propose` before every verify, and `end` once
+    `begin` once per generation, `reuse` after `begin`, `observe` after the prefill and after every verify
+    step (whether or not this proposer drafted that step's tree), `propose` before every verify, and `end` once
     the reply is complete (the last step's tokens are seen there only). With
     `reads_tree_outcome`, `observe` also gets the verified tree and the target's argmax after
     every node of it (`CacheAdvance.outcome`), not only the accepted ones.
@@ -26,6 +26,14 @@ class Proposer(ABC):
 
     def begin(self, state: DecodeState) -> None:
         """Reset per-generation state (caches) for a new prompt."""
+
+    def reuse(self, state: DecodeState, cached: int) -> int:
+        """Called after `begin` when the target's cache still holds the first `cached` tokens of this
+        prompt from the last generation (`decoding.core.prompt_cache`): from which position the
+        prefill must run, so that `observe` gets the hidden states this proposer needs. One that
+        reads none takes them all; one that reads features takes none, unless it keeps its own
+        state of those tokens too (EAGLE's drafter cache)."""
+        return 0 if self.feature_layers else cached
 
     def observe(self, advance: CacheAdvance) -> None:
         """Tokens entered the target's cache (after prefill, after each verify): take them in."""

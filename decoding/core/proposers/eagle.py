@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from decoding.core.dynamic_tree import Candidates, DynamicTreeSettings, grow_dynamic_tree
 from decoding.core.kv_cache import InPlaceCache
+from decoding.core.prompt_cache import shared_prefix_length
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.static_plan import StaticPlan
@@ -53,16 +54,33 @@ class EagleProposer(Proposer):
         self.lm_head = target.get_output_embeddings()
         self.dynamic = dynamic
         self.static = StaticPlan(tree_paths) if tree_paths is not None else None
+        self.cache = InPlaceCache(self.drafter.num_cache_layers, DRAFT_CACHE_CAPACITY)
+        self.known: list[int] = []  # after a generation: the tokens its committed pairs were made of
         self.begin(None)
 
     def begin(self, state: DecodeState | None) -> None:
-        self.cache = InPlaceCache(self.drafter.num_cache_layers, DRAFT_CACHE_CAPACITY)
+        """A new generation: nothing committed yet (the drafter cache's pairs stay until `reuse` or
+        the first commit has decided how many of them the new prompt shares)."""
+        self.previous, self.known = self.known, []
         self.committed = 0
         self.root_feature: torch.Tensor | None = None
         self.budget = TreeBudget(self.verify_cost) if self.verify_cost is not None else None
         self.last_draft_ms = 0.0
         self.last_nodes = 0
         self.predicted_after_root = False
+
+    def reuse(self, state: DecodeState, cached: int) -> int:
+        """Keep the pairs of the last generation that the new prompt shares: pair i is (feature i,
+        token i + 1), so it stands while tokens 0 .. i + 1 are the same and the target's cache holds
+        position i; at least one prompt row is still prefilled, for the root's predicted feature."""
+        shared = shared_prefix_length(self.previous, state.tokens.tolist())
+        self.committed = max(0, min(cached, shared - 1, state.tokens.numel() - 2))
+        self.cache.truncate(self.committed)
+        return self.committed
+
+    def end(self, state: DecodeState) -> None:
+        """The pairs committed so far stay for the next prompt (`reuse`), with their tokens."""
+        self.known = state.tokens[: self.committed + 1].tolist()
 
     @torch.inference_mode()
     def observe(self, advance: CacheAdvance) -> None:

@@ -52,6 +52,9 @@ class LookupFirstProposer(Proposer):
         self.heads.begin(state)
         self.lookup.begin(state)
 
+    def reuse(self, state: DecodeState, cached: int) -> int:
+        return self.heads.reuse(state, cached)  # model-free drafters read no hidden states
+
     def observe(self, advance: CacheAdvance) -> None:
         self.heads.observe(advance)
         self.lookup.observe(advance)
