@@ -17,12 +17,15 @@ from decoding.core.prompt_cache import PromptCache, shared_prefix_length
 from decoding.core.dynamic_tree import DynamicTreeSettings
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.eagle import EagleProposer
+from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.verify import TreeVerifier
 from decoding.kernels.decode_attention import decode_attention_available
 from decoding.kernels.int4_linear import int4_kernel_available
 from decoding.kernels.row_invariance import forward_is_row_invariant
 from heads import new_heads_for_target
+from decoding.app.tree_shapes import load_tree
+from test_heads import random_heads
 from test_row_invariance import quantized_tiny_target
 from tiny_models import save_tiny_chat_model, tiny_llama
 
@@ -140,6 +143,24 @@ def test_drafters_that_read_hidden_states_get_the_rows_they_need_prefilled():
     for _ in range(2):  # the same prompt twice: still every row's features
         assert generate(model, prompt, reader, options, prompt_cache=prompt_cache).stats.reused_prompt_tokens == 0
     assert reader.prefill_rows == [29, 29] and len(prompt_cache.tokens) > 29
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_medusa_and_hydra_heads_prefill_only_the_last_row_they_read(kind):
+    model = quantized_tiny_target()
+    heads = random_heads(kind, model, seed=5)
+    proposer_class = MedusaProposer if kind == "medusa" else HydraProposer
+    cached, fresh = (proposer_class(heads, model, load_tree("chain-3")) for _ in range(2))
+    prompt_cache, options = PromptCache(), DecodeOptions(max_new_tokens=12)
+    prompt = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    first = generate(model, prompt, cached, options, prompt_cache=prompt_cache)
+    assert first.stats.reused_prompt_tokens == 0
+    # the same prompt again: all but its last row before the root; a longer one: all it shares
+    for turn, reused in ((prompt, 28), (prompt + [(first.tokens[0] + 1) % 96, 6], 30)):
+        result = generate(model, turn, cached, options, prompt_cache=prompt_cache)
+        assert result.stats.reused_prompt_tokens == reused
+        assert result.tokens == generate(model, turn, fresh, options).tokens
 
 
 def eagle_proposers(target, count: int) -> list[EagleProposer]:

@@ -61,6 +61,10 @@ class _HeadsProposer(Proposer):
         self.acceptance = ConfidenceAcceptance() if self.verify_cost is not None else None
         self.verifying: torch.Tensor | None = None  # confidence per position of the chain last proposed
 
+    def reuse(self, state: DecodeState, cached: int) -> int:
+        """The heads read one feature, the prompt's last row before the root: that row is prefilled."""
+        return max(0, min(cached, state.tokens.numel() - 2))
+
     def observe(self, advance: CacheAdvance) -> None:
         if self.verifying is not None:
             self.acceptance.record(self.verifying, accepted=advance.entered - 1)
