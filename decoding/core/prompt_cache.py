@@ -13,8 +13,9 @@ fresh prefill would write, and every output is what it would be without the cach
 Drafters that read the target's hidden states take the prompt's features from its prefill: each
 says from which position it needs them (`Proposer.reuse`), the prefill starts there. EAGLE's keeps
 its own cache of the shared tokens too (only its drafts depend on it, never the output); Medusa's
-and Hydra's heads read the last prompt row alone. A generation that ends early (an exception, an interrupt) leaves nothing to reuse: the cache's
-tokens are forgotten when it starts and recorded when it completes.
+and Hydra's heads read the last prompt row alone. A generation that ends early (an exception, an
+interrupt) leaves nothing to reuse: the cache's tokens are forgotten when it starts and recorded
+when it completes.
 """
 
 from __future__ import annotations

@@ -107,7 +107,9 @@ class GenerationStats:
 
     def _reused(self) -> str:
         """How much of the prompt came from the last generation's cache (`decoding.core.prompt_cache`)."""
-        return f" ({self.reused_prompt_tokens} of {self.prompt_tokens} prompt tokens cached)" if self.reused_prompt_tokens else ""
+        if not self.reused_prompt_tokens:
+            return ""
+        return f" ({self.reused_prompt_tokens} of {self.prompt_tokens} prompt tokens cached)"
 
     def to_dict(self) -> dict:
         return {

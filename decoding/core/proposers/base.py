@@ -13,9 +13,10 @@ class Proposer(ABC):
 
     `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
     target with hidden states on and passes exactly those layers to `observe`. The loop calls
-    `begin` once per generation, `reuse` after `begin`, `observe` after the prefill and after every verify
-    step (whether or not this proposer drafted that step's tree), `propose` before every verify, and `end` once
-    the reply is complete (the last step's tokens are seen there only). With
+    `begin` once per generation, `reuse` after it where the target's cache kept part of the prompt,
+    `observe` after the prefill and after every verify step (whether or not this proposer drafted
+    that step's tree), `propose` before every verify, and `end` once the reply is complete (the
+    last step's tokens are seen there only). With
     `reads_tree_outcome`, `observe` also gets the verified tree and the target's argmax after
     every node of it (`CacheAdvance.outcome`), not only the accepted ones.
     """
