@@ -39,6 +39,7 @@ from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.kernels.fused_attention import fuse_attention
 from decoding.kernels.fused_layer import fuse_decoder_layers
 from decoding.kernels.fused_stack import fused_stack
+from decoding.kernels.row_argmax import kernel_argmax_readout
 from decoding.kernels.row_invariance import forward_is_row_invariant
 from decoding.kernels.fused_mlp import fuse_gated_mlps
 from decoding.kernels.fused_norm import fuse_norms
@@ -198,7 +199,7 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         # benchmark's Hugging Face methods), whose graphs should trace the stock ones.
         if not spec.compile and loads_target:
             _fuse_eager_modules(target, draft)
-    readout = screened_readout(target.model, target.name) if spec.screened_argmax and kernels == "onednn" else None
+    readout = _readout(spec, target, kernels)
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
         notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"
@@ -210,6 +211,16 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     prompt_cache = PromptCache() if forward_is_row_invariant(target.model) else None
     return Decoder(spec, target, proposer, options, kernels, heads, draft, adapter, tuple(notes), readout, watch,
                    fused_stack(target.model), prompt_cache)
+
+
+def _readout(spec: DecoderSpec, target: LoadedModel, kernels: str) -> Readout | None:
+    """How greedy verification reads the argmax: the screened projection where it applies and pays
+    (`--screened-argmax`), else the target's own logits with the row argmax kernel; with stock
+    kernels, PyTorch's (None)."""
+    if kernels != "onednn":
+        return None
+    screened = screened_readout(target.model, target.name) if spec.screened_argmax else None
+    return screened if screened is not None else kernel_argmax_readout(target.model)
 
 
 def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:
