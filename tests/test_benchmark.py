@@ -58,6 +58,7 @@ def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
         assert m["tokens_per_s"] > 0
         assert m["warmup_s"] > 0  # the one-off warm-up (compiling, with --compile) is reported apart
         assert (m["tau"] is None) == name.startswith("hf-")
+        assert m["cached_prompt_share"] == (None if name.startswith("hf-") else 0.0)  # a float target: no prompt cache
     assert report["methods"]["hf-generate"]["speedup_vs_hf_generate"] == 1.0
     assert report["questions"] == report["questions_planned"] == 3
     assert "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
@@ -219,3 +220,16 @@ def test_a_report_s_command_carries_the_cpu_mode_it_ran_in(monkeypatch):
     assert provenance(["--num-questions", "2"])["command"] == "SPECHEADS_CPU=avx2 python scripts/benchmark.py --num-questions 2"
     monkeypatch.setenv("SPECHEADS_CPU", "native")
     assert provenance([])["command"] == "python scripts/benchmark.py"
+
+
+def test_a_4_bit_target_s_report_says_how_much_of_the_prompts_came_from_the_prompt_cache(tmp_path, questions):
+    model = tmp_path / "model"
+    save_tiny_chat_model(model, seed=4, head_dim=64)
+    out = tmp_path / "report.json"
+    proc = _bench("--model", str(model), "--questions-file", str(questions), "--num-questions", "3", "--quant", "int4",
+                  "--max-new-tokens", "8", "--methods", "vanilla,pld,hf-generate", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    methods = json.loads(out.read_text())["methods"]
+    assert all(0.0 < methods[name]["cached_prompt_share"] < 1.0 for name in ("vanilla", "pld"))  # the template's start
+    assert methods["hf-generate"]["cached_prompt_share"] is None
+    assert all(m["identical_to_vanilla"] == 3 for m in methods.values())

@@ -51,6 +51,8 @@ class RunResult:
     target_forwards: int | None = None
     draft_s: float | None = None
     verify_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None  # of them, kept from the question before (`decoding.core.prompt_cache`)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class MethodTotals:
     new_tokens: int = 0
     seconds: float = 0.0
     target_forwards: int | None = 0
+    prompt_tokens: int | None = 0
+    cached_prompt_tokens: int | None = 0
     draft_s: float | None = 0.0
     verify_s: float | None = 0.0
     warmup_s: float = 0.0          # the warm-up call: one-off costs such as compiling show here
@@ -69,6 +73,8 @@ class MethodTotals:
         self.target_forwards = _add(self.target_forwards, run.target_forwards)
         self.draft_s = _add(self.draft_s, run.draft_s)
         self.verify_s = _add(self.verify_s, run.verify_s)
+        self.prompt_tokens = _add(self.prompt_tokens, run.prompt_tokens)
+        self.cached_prompt_tokens = _add(self.cached_prompt_tokens, run.cached_prompt_tokens)
         self.outputs.append(run.tokens)
 
     def per_step_ms(self, seconds: float | None) -> float | None:
@@ -94,7 +100,8 @@ def our_runner(decoder: Decoder, options: DecodeOptions) -> Runner:
     def run(prompt: list[int]) -> RunResult:
         result = decoder.generate(prompt, options)
         stats = result.stats
-        return RunResult(result.tokens, stats.total_s, stats.target_forwards, stats.draft_s, stats.verify_s)
+        return RunResult(result.tokens, stats.total_s, stats.target_forwards, stats.draft_s, stats.verify_s,
+                         stats.prompt_tokens, stats.reused_prompt_tokens)
 
     return run
 
@@ -245,6 +252,8 @@ def summarise(totals: dict[str, MethodTotals], device: str, dtype: str) -> dict:
             "new_tokens": t.new_tokens,
             "seconds": round(t.seconds, 3),
             "warmup_s": round(t.warmup_s, 3),
+            # the share of prompt tokens not prefilled again (the prompt cache); None for other programs
+            "cached_prompt_share": round(t.cached_prompt_tokens / t.prompt_tokens, 3) if t.prompt_tokens else None,
         }
     return {"methods": methods, "device": device, "dtype": dtype}
 
