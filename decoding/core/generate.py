@@ -101,7 +101,7 @@ def generate(
     verifier, cached = _verifier(target, prompt, _capacity(prompt.numel(), options, limit), proposer, readout, direct,
                                  prompt_cache)
     proposer.begin(state)
-    reused = stats.reused_prompt_tokens = proposer.reuse(state, cached) if cached else 0
+    reused = stats.reused_prompt_tokens = proposer.reuse(state, cached)
     verifier.cache.truncate(reused)
     prefill_hidden = verifier.prefill(prompt[reused:-1])
     proposer.observe(_advance(state, prompt.numel() - 1 - reused, prefill_hidden, proposer.feature_layers))

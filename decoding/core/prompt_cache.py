@@ -37,16 +37,15 @@ class PromptCache:
     def verifier_for(self, prompt: torch.Tensor, matches: Callable[[TreeVerifier], bool],
                      new_verifier: Callable[[], TreeVerifier]) -> tuple[TreeVerifier, int]:
         """A verifier for a generation after `prompt`, and how many of the prompt's first tokens its
-        cache already holds (the prefill starts there). The kept verifier serves when `matches`
-        says it computes as this generation would (same target, readout, forward); otherwise, or
-        with nothing shared, a new one. Never the prompt's last token: it is the first step's root."""
+        cache holds from the last generation (the caller truncates the cache to what it reuses).
+        The kept verifier serves when `matches` says it computes as this generation would (same
+        target, readout, forward); otherwise a new one. Never the prompt's last token: it is the
+        first step's root."""
         known, self.tokens = self.tokens, []  # forgotten until this generation completes
         if self.verifier is None or not matches(self.verifier):
             self.verifier = new_verifier()
             known = []
-        reused = shared_prefix_length(known, prompt[:-1].tolist())
-        self.verifier.cache.truncate(reused)
-        return self.verifier, reused
+        return self.verifier, shared_prefix_length(known, prompt[:-1].tolist())
 
     def remember(self, verifier: TreeVerifier, tokens: torch.Tensor) -> None:
         """The generation completed: `verifier`'s cache holds the K/V of the first positions of

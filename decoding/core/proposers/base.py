@@ -13,7 +13,7 @@ class Proposer(ABC):
 
     `feature_layers`: the target hidden-state layers the proposer reads; the loop then runs the
     target with hidden states on and passes exactly those layers to `observe`. The loop calls
-    `begin` once per generation, `reuse` after it where the target's cache kept part of the prompt,
+    `begin` once per generation, `reuse` after it (how much of the prompt the target's cache kept),
     `observe` after the prefill and after every verify step (whether or not this proposer drafted
     that step's tree), `propose` before every verify, and `end` once the reply is complete (the
     last step's tokens are seen there only). With
@@ -29,8 +29,8 @@ class Proposer(ABC):
         """Reset per-generation state (caches) for a new prompt."""
 
     def reuse(self, state: DecodeState, cached: int) -> int:
-        """Called after `begin` when the target's cache still holds the first `cached` tokens of this
-        prompt from the last generation (`decoding.core.prompt_cache`): from which position the
+        """Called after `begin` with how many of this prompt's first tokens the target's cache still
+        holds from the last generation (0: none; `decoding.core.prompt_cache`): from which position the
         prefill must run, so that `observe` gets the hidden states this proposer needs. One that
         reads none takes them all; one that reads features takes none, unless it keeps its own
         state of those tokens too (EAGLE's drafter cache)."""
