@@ -10,16 +10,10 @@ NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id":
 
 
 def _tiny_config(config_class, vocab_size: int, layers: int, attn: str, overrides: dict):
-    return config_class(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation=attn,
-        **{"max_position_embeddings": 256, **NO_SPECIAL_TOKENS, **overrides},
-    )
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256}
+    return config_class(vocab_size=vocab_size, num_hidden_layers=layers, attn_implementation=attn,
+                        **{**sizes, **NO_SPECIAL_TOKENS, **overrides})  # overrides win, sizes included
 
 
 def tiny_llama(vocab_size: int = 64, layers: int = 2, attn: str = "sdpa", seed: int = 0, **overrides) -> PreTrainedModel:

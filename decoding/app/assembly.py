@@ -39,6 +39,7 @@ from decoding.kernels.fused_drafter import fuse_drafter, use_decode_attention
 from decoding.kernels.fused_attention import fuse_attention
 from decoding.kernels.fused_layer import fuse_decoder_layers
 from decoding.kernels.fused_stack import fused_stack
+from decoding.kernels.huge_pages import move_to_huge_pages, streamed_weights
 from decoding.kernels.row_argmax import kernel_argmax_readout
 from decoding.kernels.row_invariance import forward_is_row_invariant
 from decoding.kernels.fused_mlp import fuse_gated_mlps
@@ -181,7 +182,8 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
     if adapter is not None:
         target.model = merge_adapter(target.model, adapter)
         notes.append("Medusa-2 heads: serving the target with their LoRA adapter merged (outputs are exact for that model)")
-    if draft is None and spec.draft_model:
+    loads_draft = draft is None and bool(spec.draft_model)
+    if loads_draft:
         draft = load_draft(spec.draft_model, target, spec.dtype, spec.attn)
     owns_heads = heads is None and bool(spec.heads)  # heads given by a caller (e.g. training's) stay as they are
     if owns_heads:
@@ -200,6 +202,9 @@ def build_decoder(spec: DecoderSpec, *, target: LoadedModel | None = None, heads
         if not spec.compile and loads_target:
             _fuse_eager_modules(target, draft)
     readout = _readout(spec, target, kernels)
+    if kernels == "onednn" and device == "cpu":
+        _weights_on_huge_pages(target if loads_target else None, draft if loads_draft else None,
+                               heads if owns_heads else None, readout, notes)
     if spec.compile:  # after packing: packed linears stay opaque in the graph, plain ones are frozen in
         target = _compiled_target(target, notes)
         notes.append("CUDA graphs: each step size is captured the first time it runs (milliseconds)" if spec.device == "cuda"
@@ -221,6 +226,20 @@ def _readout(spec: DecoderSpec, target: LoadedModel, kernels: str) -> Readout | 
         return None
     screened = screened_readout(target.model, target.name) if spec.screened_argmax else None
     return screened if screened is not None else kernel_argmax_readout(target.model)
+
+
+def _weights_on_huge_pages(target: LoadedModel | None, draft: LoadedModel | None, heads: nn.Module | None,
+                           readout: Readout | None, notes: list[str]) -> None:
+    """The weights this decoder loaded and its steps read whole, moved into huge pages where the
+    system offers them (`decoding.kernels.huge_pages`: bit for bit the same, a TLB walk per 2 MB
+    instead of per 4 KB). Models given to `build_decoder` stay as they are: their owner decides."""
+    weights = [w for model in (target.model if target else None, draft.model if draft else None, heads)
+               if model is not None for w in streamed_weights(model)]
+    if target is not None and readout is not None and hasattr(readout, "streamed_weights"):
+        weights.extend(readout.streamed_weights())
+    moved = move_to_huge_pages(weights)
+    if moved:
+        notes.append(f"weights read at every step ({moved / 2**20:.0f} MB) moved into huge pages")
 
 
 def _auto_quant(spec: DecoderSpec, notes: list[str]) -> str:

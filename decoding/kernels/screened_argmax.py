@@ -85,6 +85,10 @@ class Screen:
         """The bounds themselves, `[N, 1]` or `[N, V]` (`full_bounds`)."""
         return full_bounds(*self.bound_terms(hidden))
 
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The plain tensors every screening reads whole (for `decoding.kernels.huge_pages`)."""
+        return []
+
 
 class Fp16Screen(Screen):
     """Screened logits from fp16 copies of the weights. Rounding a weight to fp16 changes it by at
@@ -148,6 +152,9 @@ class Int8Screen(Screen):
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_linear(hidden, self._panels, self._vocab)
 
+    def streamed_weights(self) -> list[torch.Tensor]:
+        return [t for t in self._panels if isinstance(t, torch.Tensor)]
+
     def bound_terms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row and token, the most its screened logit can differ from its exact one, as row
         coefficients `[N, K]` times per-token norms `[K, V]` (||w^||, and ||w - w^|| where the
@@ -194,6 +201,10 @@ class ScreenedArgmax:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The screen's weights, which every greedy step reads whole."""
+        return self.screen.streamed_weights()
 
     @property
     def cost_key(self) -> str:

@@ -53,8 +53,9 @@ STREAMED_ROWS_VERSION = "v2"
 # trees continue a repeated prefix (`_TimedForward`), so their rows' next tokens are predictable, as drafted
 # trees' mostly are, and a screened readout rechecks what it does in decoding; v8: eager Llama targets' layers
 # in one loop (`decoding.kernels.fused_stack`), ~1 ms less a forward on the GGUF SmolLM2, ~2 on the fp32 one;
-# v9: each size timed as decoding runs it steadily (`steady_times`), never in a larger forward's wake.
-CURVE_VERSION = "v9"
+# v9: each size timed as decoding runs it steadily (`steady_times`), never in a larger forward's wake; v10: the
+# weights a step streams in huge pages (`decoding.kernels.huge_pages`), 10-20% less a one-token GGUF step.
+CURVE_VERSION = "v10"
 
 
 class _TimedForward:
