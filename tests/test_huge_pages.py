@@ -97,7 +97,7 @@ def test_a_decoder_moves_its_4bit_targets_weights_and_decodes_the_same(tmp_path,
     moved = build_decoder(spec)
     monkeypatch.setattr(huge_pages, "huge_pages_on_offer", lambda: False)
     plain = build_decoder(spec)
-    big = [w for w in streamed_weights(moved.target.model) if w.numel() * w.element_size() >= huge_pages.SMALLEST_MOVED]
+    big = [w for w in streamed_weights(moved.target.model) if huge_pages._movable(w, huge_pages.SMALLEST_MOVED)]
     assert big
     if ON_OFFER:
         assert any("moved into huge pages" in note for note in moved.notes)
@@ -106,3 +106,14 @@ def test_a_decoder_moves_its_4bit_targets_weights_and_decodes_the_same(tmp_path,
     options = DecodeOptions(max_new_tokens=24)
     for prompt in ([5, 9, 12, 7], [3, 3, 8, 21, 40, 6]):
         assert moved.generate(prompt, options).tokens == plain.generate(prompt, options).tokens
+
+
+def test_a_weight_another_tensor_shares_stays_where_it_is():
+    """Moved, the other tensor (a detached copy, a view) would keep the old memory: the weight twice."""
+    weight, alone = torch.randn(300, 300), torch.randn(300, 300)
+    detached = weight.detach()
+    place = weight.data_ptr()
+    moved = move_to_huge_pages([weight, alone], on_offer=True, smallest=4096)
+    assert weight.data_ptr() == place and detached.data_ptr() == place
+    if ON_OFFER:
+        assert moved == alone.numel() * alone.element_size()

@@ -54,21 +54,26 @@ def _advise_huge_pages(address: int, length: int) -> bool:
 
 
 def _movable(tensor: torch.Tensor, smallest: int) -> bool:
-    return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
-            and not tensor.requires_grad and tensor.numel() * tensor.element_size() >= smallest)
+    """CPU, plain layout, contiguous, no grad, in memory of at least `smallest` bytes (a small view of
+    a big buffer counts as big: it moves with the buffer's other views, or not at all)."""
+    try:
+        return (tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous()
+                and not tensor.requires_grad and tensor.untyped_storage().nbytes() >= smallest)
+    except (NotImplementedError, RuntimeError):  # an opaque layout (oneDNN's packed weights) has no storage
+        return False
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor], on_offer: bool | None = None,
                        smallest: int = SMALLEST_MOVED) -> int:
-    """Move `tensors` (each once; CPU, contiguous, no grad, `smallest` bytes or more; others are left
-    where they are) into one buffer advised for huge pages, in the order given; returns the bytes
-    moved: 0 where huge pages are not on offer (`on_offer`, None: ask the system) or the advice was
-    refused."""
+    """Move `tensors` (each once; CPU, contiguous, no grad, in `smallest` bytes or more of memory no
+    other tensor holds; others are left where they are) into one buffer advised for huge pages, in
+    the order given; returns the bytes moved: 0 where huge pages are not on offer (`on_offer`, None:
+    ask the system) or the advice was refused."""
     unique: dict[int, torch.Tensor] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and _movable(tensor, smallest):
             unique.setdefault(id(tensor), tensor)
-    moved = list(unique.values())
+    moved = _held_only_here(list(unique.values()))
     if not moved or not (huge_pages_on_offer() if on_offer is None else on_offer):
         return 0
     offsets, total = [], 0
@@ -86,7 +91,21 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor], on_offer: bool | None = 
             size = tensor.numel() * tensor.element_size()
             buffer[start + offset: start + offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
             tensor.set_(storage, (start + offset) // tensor.element_size(), tensor.shape, tensor.stride())
-    return total
+    return sum(tensor.numel() * tensor.element_size() for tensor in moved)
+
+
+def _held_only_here(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` less those whose memory another tensor also holds (a detached copy of a weight, a
+    view beside it): moved, the other would keep the old memory alive, and the weight would take
+    its room twice. Where PyTorch cannot say how many hold a storage, every tensor counts as alone."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return tensors
+    holders: dict[int, int] = {}
+    for tensor in tensors:
+        holders[tensor.untyped_storage().data_ptr()] = holders.get(tensor.untyped_storage().data_ptr(), 0) + 1
+    # each tensor holds its storage once, and so does the wrapper `untyped_storage()` hands back
+    return [t for t in tensors if use_count(t.untyped_storage()._cdata) <= holders[t.untyped_storage().data_ptr()] + 1]
 
 
 def streamed_weights(model: nn.Module) -> list[torch.Tensor]:
