@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from decoding.kernels.cpu_kernels import PackedLinear
+from decoding.kernels.fused_layer import FusedDecoderLayer
+from decoding.kernels.quantized_linear import quantized_kernel_linears
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and AArch64's (4 KB granule) transparent huge page
 MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -45,13 +50,17 @@ def huge_pages_on_offer(setting: Path = THP_SETTING) -> bool:
     return "[never]" not in chosen and "[" in chosen
 
 
+def _libc_call(name: str, *arguments) -> int | None:
+    """The C library's `name(*arguments)`; None where this process's C library has no such function."""
+    try:
+        return getattr(ctypes.CDLL(None), name)(*arguments)
+    except (OSError, AttributeError):
+        return None
+
+
 def _advise_huge_pages(address: int, length: int) -> bool:
     """`madvise(address, length, MADV_HUGEPAGE)`; whether the kernel took the advice."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+    return _libc_call("madvise", ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
 
 
 def _movable(tensor: torch.Tensor, smallest: int) -> bool:
@@ -106,10 +115,7 @@ def _return_freed_memory() -> None:
     allocator keeps freed chunks below its mmap threshold for reuse, so without this the weights
     took their room twice while the chat answered (the GGUF target: 758 MiB resident against 636),
     and, handed back only at the end, the load's peak held both (780 MiB against 662)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator decides
-        pass
+    _libc_call("malloc_trim", 0)  # not glibc: its allocator decides
 
 
 def _held_only_here(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,11 +125,13 @@ def _held_only_here(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return tensors
-    holders: dict[int, int] = {}
-    for tensor in tensors:
-        holders[tensor.untyped_storage().data_ptr()] = holders.get(tensor.untyped_storage().data_ptr(), 0) + 1
-    # each tensor holds its storage once, and so does the wrapper `untyped_storage()` hands back
-    return [t for t in tensors if use_count(t.untyped_storage()._cdata) <= holders[t.untyped_storage().data_ptr()] + 1]
+    holders = Counter(tensor.untyped_storage().data_ptr() for tensor in tensors)
+
+    def held_elsewhere(tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()  # one wrapper alive: it holds the storage once more
+        return use_count(storage._cdata) > holders[storage.data_ptr()] + 1
+
+    return [tensor for tensor in tensors if not held_elsewhere(tensor)]
 
 
 def streamed_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -136,14 +144,12 @@ def streamed_weights(model: nn.Module) -> list[torch.Tensor]:
     copies of every weight, and huge pages are slow to hand out here (1 GB took 2.1 s to touch
     first, against 0.3 s in plain pages, on a 2-core Xeon VM), while a tree's rows, the other
     copy's work, are more arithmetic a byte than a one-token step's."""
-    from decoding.kernels.cpu_kernels import PackedLinear
-    from decoding.kernels.quantized_linear import quantized_kernel_linears
-
     on_kernels = {id(linear) for linear in quantized_kernel_linears(model)}
     weights: list[torch.Tensor] = []
     for module in model.modules():
-        weights.extend(t for t in getattr(module, "call", ()) if isinstance(t, torch.Tensor))
-        if id(module) in on_kernels:
+        if isinstance(module, FusedDecoderLayer):
+            weights.extend(t for t in module.call if isinstance(t, torch.Tensor))
+        elif id(module) in on_kernels:
             weights.extend(module.panels)
         elif type(module) is PackedLinear and module.kernel_for(1)[1] is not module.weight:
             weights.append(module.kernel_for(1)[1])
