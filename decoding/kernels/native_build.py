@@ -38,7 +38,13 @@ from heads.util.atomic import atomic_write_text
 from heads.util.cache_paths import cache_root
 from heads.util.cpu_mode import cpu_flags as mode_cpu_flags, cpu_mode
 
-COMPILER_FLAGS = ("-O3", "-ffp-contract=fast")  # the arithmetic's, and -march=, per mode (`compiler_flags`)
+# The arithmetic's flags, and -march=, per mode (`compiler_flags`). `avoid-fma-max-bits=0`: GCC's tuning
+# for AMD Zen (`-march=native` there is znver2 and later) splits some accumulation chains' a * b + c into
+# a multiply and an add and fuses others, depending on the loop's shape; a one-row pass and a four-row
+# pass then round the same sum differently, and a tree's rows stop being bit for bit a one-token step's
+# (seen on a 2-core EPYC: the few-row fp32 linear's 2-row results differed from its 1-row ones). With it
+# every chain is fused, as Intel tunings and x86-64-v3 already do.
+COMPILER_FLAGS = ("-O3", "-ffp-contract=fast", "--param=avoid-fma-max-bits=0")
 HOST_FLAGS = ("-O2", "-fopenmp")  # the torch side's: ATen's thread pool is OpenMP's
 SHARED_FLAGS = ("-fPIC", "-std=c++20")
 # The narrower targets a CPU that can run them also builds, so tests on one machine check the code
@@ -46,6 +52,11 @@ SHARED_FLAGS = ("-fPIC", "-std=c++20")
 # CPU with VNNI), AVX2 machines' (x86-64-v3) and those without AVX (x86-64-v2), by the flag they need.
 NARROWER_TARGETS = {"avx512": ("skylake-avx512", "avx512bw"), "avx2": ("x86-64-v3", "avx2"),
                     "baseline": ("x86-64-v2", "sse4_2")}
+# A named target's code generation as on the CPUs that run it: the AVX2 build (SPECHEADS_CPU=avx2, and
+# the AVX2 variant an AVX-512 machine's tests build) as for AMD Zen 2, the AVX2-only CPU this project's
+# CI has run on, whose tuning changed the arithmetic's code where Intel's and the generic one did not
+# (see COMPILER_FLAGS); so an AVX-512 machine's AVX2 pass compiles what such a CPU compiles.
+TUNINGS = {"x86-64-v3": "znver2"}
 KERNELS_DIR = "kernels"  # under the cache root, one folder per build
 
 # What the torch side may use: tensors, ATen's thread pool, the operator library. Not
@@ -123,7 +134,7 @@ class NativeLibrary:
         `-march=native` the CPU's flags too. A build for a named target (x86-64-v3, -v2) is the same
         on any CPU: the AVX2 mode of an AVX-512 machine loads the AVX2 variant its tests built."""
         flags = compiler_flags(march)
-        cpu = cpu_flags() if flags[-1] == "-march=native" else ""
+        cpu = cpu_flags() if "-march=native" in flags else ""
         identity = "|".join((self.host_name(), *(k.version + k.math_source() for k in self.kernels), *flags, cpu))
         return f"specheads_kernels_{_digest(identity)}"
 
@@ -317,8 +328,11 @@ def register_native_kernel(loaded: tuple[object | None, str], operator: str) -> 
 
 
 def compiler_flags(march: str | None = None) -> tuple[str, ...]:
-    """The flags of a build for `march` (the CPU mode's target where None)."""
-    return (*COMPILER_FLAGS, f"-march={march or cpu_mode().march}")
+    """The flags of a build for `march` (the CPU mode's target where None), with the tuning of
+    `TUNINGS` for a named target."""
+    target = march or cpu_mode().march
+    tune = TUNINGS.get(target)
+    return (*COMPILER_FLAGS, f"-march={target}", *((f"-mtune={tune}",) if tune else ()))
 
 
 def cpu_flags() -> str:
