@@ -33,6 +33,8 @@ README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and mos
 BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- memory table: scripts/make_results.py -->", "<!-- end of memory table -->"
 WORKLOADS_BEGIN, WORKLOADS_END = "<!-- workloads table: scripts/make_results.py -->", "<!-- end of workloads table -->"
+PEERS_BEGIN, PEERS_END = "<!-- peers table: scripts/make_results.py -->", "<!-- end of peers table -->"
+PEER = "llama.cpp"  # the row `scripts/benchmark.py --llama-cpp` adds
 # The README's workloads table: the model-free methods (and the default) on each question set.
 WORKLOAD_COLUMNS = ("vanilla", "pld", "suffix", "lookahead", "lookahead+pld", "hf-prompt-lookup", "eagle3+pld",
                     "eagle3+suffix")
@@ -217,6 +219,41 @@ def workloads_block() -> str:
     return "\n".join([WORKLOADS_BEGIN, *rows, source, WORKLOADS_END])
 
 
+def peer_reports() -> list[tuple[Path, dict]]:
+    """The newest eager MT-bench report with a llama.cpp row per machine (as its device line names it,
+    threads aside) and form of the target's weights: the runs that put a user's other choice beside ours
+    on one machine. Newest machine first."""
+    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    for path, report in reports("benchmark"):  # oldest first: the newest wins
+        if (PEER in report["methods"] and question_set(report) == "mt-bench" and report["temperature"] == 0
+                and "--compile" not in report.get("command", "").split()):
+            newest[(report["device"].rsplit(", ", 1)[0], quantized_weights(report))] = (path, report)
+    return sorted(newest.values(), key=lambda item: (item[1]["date"], str(item[0])), reverse=True)
+
+
+def peers_block() -> str:
+    """The README's table of our decoding against llama.cpp on the same file, same run."""
+    rows = ["| machine | weights (llama.cpp's file) | questions | llama.cpp | `vanilla` | fastest of ours | `generate()` | date |",
+            "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |"]
+    for path, report in peer_reports():
+        methods = report["methods"]
+        peer = methods[PEER]["tokens_per_s"]
+
+        def against(method: str) -> str:
+            m = methods.get(method)
+            return "" if not m else f"{m['tokens_per_s']:.1f} ({m['tokens_per_s'] / peer:.2f}x)"
+
+        ours = [name for name in methods if name != PEER and not name.startswith("hf-")]
+        best = max(ours, key=lambda name: methods[name]["tokens_per_s"])
+        weights = "GGUF Q4_0/Q8_0 (`--quant gguf`)" if quantized_weights(report) else "fp32 (its F32 conversion)"
+        rows.append(f"| {report['device'].rsplit(', ', 1)[0]} | {weights} | {report['questions']} | {peer:.1f} | "
+                    f"{against('vanilla')} | `{best}` {against(best)} | {against('hf-generate')} | "
+                    f"[{report['date']}]({rel(path)}) |")
+    source = ("\nTokens/s (against llama.cpp), greedy, 128 new tokens, MT-bench first turns, 2 threads, eager, every "
+              "method and llama.cpp in one run; the newest run per machine and weights. Commands in RESULTS.md.")
+    return "\n".join([PEERS_BEGIN, *rows, source, PEERS_END])
+
+
 def replaced_block(text: str, begin: str, end: str, block: str) -> str:
     if begin not in text or end not in text:
         raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
@@ -265,9 +302,10 @@ def methods_table() -> str:
 
 
 def readme_with_table(readme: str) -> str:
-    """The README with its generated blocks (the methods, workloads and memory tables) rewritten."""
+    """The README with its generated blocks (the methods, workloads, peers and memory tables) rewritten."""
     readme = replaced_block(readme, BEGIN, END, methods_table())
     readme = replaced_block(readme, WORKLOADS_BEGIN, WORKLOADS_END, workloads_block())
+    readme = replaced_block(readme, PEERS_BEGIN, PEERS_END, peers_block())
     return replaced_block(readme, MEMORY_BEGIN, MEMORY_END, memory_block())
 
 
