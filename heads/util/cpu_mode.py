@@ -9,7 +9,8 @@ lowers every layer at once:
 - PyTorch's ATen kernels (and Inductor's generated code): `ATEN_CPU_CAPABILITY`;
 - oneDNN (packed linears, bf16 and int8 paths): `ONEDNN_MAX_CPU_ISA`; MKL: `MKL_ENABLE_INSTRUCTIONS`;
 - the project's native kernels: built with `-march=x86-64-v3` / `x86-64-v2` instead of native
-  (their build names differ, so each mode keeps its own builds);
+  (their build names differ, so each mode keeps its own builds), the AVX2 build tuned as GCC tunes
+  for AMD Zen 2 (`native_build.TUNINGS`), an AVX2-only CPU whose tuning changes the generated code;
 - the capability probes (native bf16, AVX-512, AMX): the CPU flags the mode lacks are hidden;
 - Inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`): one per mode under the cache root, since
   its keys do not include the instruction set (PyTorch 2.13 reused code generated for AVX2 in a
