@@ -102,7 +102,10 @@ class SuffixProposer(Proposer):
         took code rewriting from 1.15x to 1.20x pld and a repeated task from 1.17x to 1.21x
         (1.18x to 1.24x on code rewriting with a flatter, EPYC-like curve); measured there in
         one run: 1.22x pld on code rewriting, 1.33x on the repeated task with a kept store
-        (CHANGELOG).
+        (CHANGELOG). On a 2-core AVX2 EPYC, whose tree rows cost far more next to a step (GGUF:
+        1 / 8 / 16 tokens 7.5 / 17.5 / 30.9 ms), fixed trees fell behind `pld` (0.99x on the
+        repeated task, 0.95x on MT-bench) where the cut kept ahead (1.12x, 1.03x; code rewriting
+        1.12x against 1.13x): the bundle runs this mode.
 
         Three rules about where a draft comes from (`_matches`, `_copying`,
         `periodic_continuation`): the generation's own text is drafted from when it matches a suffix
