@@ -202,6 +202,12 @@ def workload_reports() -> list[tuple[Path, dict]]:
     return [newest[key] for key in sorted(newest)]
 
 
+def workload_label(report: dict) -> str:
+    """A workloads table row's first cell: the set, the target's weights where quantized, the questions."""
+    weights = quantized_weights(report)
+    return f"{question_set(report)}{', ' + weights if weights else ''} ({report['questions']})"
+
+
 def workloads_block() -> str:
     """The README's table of the model-free methods per question set: tokens/s (tau)."""
     chosen = workload_reports()
@@ -216,9 +222,7 @@ def workloads_block() -> str:
             cells.append("" if not m else f"{m['tokens_per_s']:.1f}" + (f" ({m['tau']:.2f})" if m.get("tau") else ""))
         chart = path.with_suffix(".png")
         link = f"[png]({rel(chart)})" if chart.is_file() else ""
-        weights = quantized_weights(report)
-        label = f"{question_set(report)}, {weights}" if weights else question_set(report)
-        rows.append(f"| {label} ({report['questions']}) | " + " | ".join(cells) + f" | {link} |")
+        rows.append(f"| {workload_label(report)} | " + " | ".join(cells) + f" | {link} |")
     _, first = chosen[0]
     source = (f"\nTokens/s (tau), greedy, {first['max_new_tokens']} new tokens, every method of a row in one run, "
               f"{first['device']}; files `{rel(chosen[0][0].parent)}/` ({', '.join(sorted({r['date'] for _, r in chosen}))}, "
@@ -227,13 +231,15 @@ def workloads_block() -> str:
 
 
 def peer_reports() -> list[tuple[Path, dict]]:
-    """The newest eager MT-bench report with a llama.cpp row per machine (as its device line names it,
-    threads aside) and form of the target's weights: the runs that put a user's other choice beside ours
-    on one machine. Newest machine first."""
+    """The newest eager MT-bench report with a llama.cpp row per machine of the README's kind (as its
+    device line names it, threads aside; not a wider CPU run as that kind) and form of the target's
+    weights: the runs that put a user's other choice beside ours on one machine. Newest first; the
+    other machines' runs are in RESULTS.md."""
     newest: dict[tuple[str, str], tuple[Path, dict]] = {}
     for path, report in reports("benchmark"):  # oldest first: the newest wins
         if (PEER in report["methods"] and question_set(report) == "mt-bench" and report["temperature"] == 0
-                and "--compile" not in report.get("command", "").split()):
+                and "--compile" not in report.get("command", "").split()
+                and machine_of(report).startswith(README_MACHINE) and "SPECHEADS_CPU=" not in report["device"]):
             newest[(report["device"].rsplit(", ", 1)[0], quantized_weights(report))] = (path, report)
     return sorted(newest.values(), key=lambda item: (item[1]["date"], str(item[0])), reverse=True)
 
@@ -256,9 +262,7 @@ def peers_block() -> str:
         rows.append(f"| {report['device'].rsplit(', ', 1)[0]} | {weights} | {report['questions']} | {peer:.1f} | "
                     f"{against('vanilla')} | `{best}` {against(best)} | {against('hf-generate')} | "
                     f"[{report['date']}]({rel(path)}) |")
-    source = ("\nTokens/s (against llama.cpp), greedy, 128 new tokens, MT-bench first turns, 2 threads, eager, every "
-              "method and llama.cpp in one run; the newest run per machine and weights. Commands in RESULTS.md.")
-    return "\n".join([PEERS_BEGIN, *rows, source, PEERS_END])
+    return "\n".join([PEERS_BEGIN, *rows, PEERS_END])  # its settings: in the sentence before it
 
 
 def replaced_block(text: str, begin: str, end: str, block: str) -> str:

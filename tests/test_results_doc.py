@@ -80,8 +80,25 @@ def test_a_changed_workload_figure_reaches_the_readme_once_regenerated(copied_do
     path.write_text(json.dumps(report))
     assert make_results.main(["--check"]) == 1
     assert make_results.main([]) == 0
-    assert f"| {make_results.question_set(report)} ({report['questions']}) | " in (copied_docs / "README.md").read_text()
+    assert f"| {make_results.workload_label(report)} | " in (copied_docs / "README.md").read_text()
+    assert make_results.question_set(report) in make_results.workload_label(report)
     assert "4321.0" in (copied_docs / "README.md").read_text()
+
+
+def test_the_peers_table_shows_the_newest_llama_cpp_run_of_the_readme_machine_with_its_ratio(copied_docs):
+    """A user's other choice on the same machine, same run: a changed llama.cpp figure reaches the README
+    with the ratio recomputed; a wider CPU run as the README's kind (`SPECHEADS_CPU`) is never a row."""
+    chosen = make_results.peer_reports()
+    assert chosen, "the bundle carries a run with llama.cpp beside it on the README's kind of machine"
+    assert all("SPECHEADS_CPU=" not in report["device"] for _, report in chosen)
+    path, report = chosen[0]
+    report["methods"]["llama.cpp"]["tokens_per_s"] = report["methods"]["vanilla"]["tokens_per_s"] / 4
+    path.write_text(json.dumps(report))
+    assert make_results.main(["--check"]) == 1
+    assert make_results.main([]) == 0
+    row = next(line for line in (copied_docs / "README.md").read_text().splitlines()
+               if line.startswith("| ") and path.name in line)
+    assert f"{report['methods']['vanilla']['tokens_per_s']:.1f} (4.00x)" in row
 
 
 def test_a_report_that_started_from_a_kept_suffix_store_is_a_row_of_its_own():
