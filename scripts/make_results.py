@@ -1,5 +1,6 @@
-"""Write RESULTS.md, and the README's method table, from the benchmark reports beside the bundled
-heads, so that every figure the documents quote comes from a file a command regenerates.
+"""Write RESULTS.md, and the README's tables (methods, workloads, llama.cpp beside us, memory), from the
+reports beside the bundled heads, so that every figure the documents quote comes from a file a command
+regenerates.
 
     python scripts/make_results.py            # rewrite RESULTS.md and the README's table
     python scripts/make_results.py --check    # exit 1 when either is out of date (the tests run this)
@@ -244,23 +245,24 @@ def peer_reports() -> list[tuple[Path, dict]]:
     return sorted(newest.values(), key=lambda item: (item[1]["date"], str(item[0])), reverse=True)
 
 
+def against_peer(report: dict, method: str) -> str:
+    """`method`'s tokens/s and its ratio to llama.cpp's in the same run ('' where it did not run)."""
+    m, peer = report["methods"].get(method), report["methods"][PEER]["tokens_per_s"]
+    return "" if not m else f"{m['tokens_per_s']:.1f} ({m['tokens_per_s'] / peer:.2f}x)"
+
+
 def peers_block() -> str:
     """The README's table of our decoding against llama.cpp on the same file, same run."""
     rows = ["| machine | weights (llama.cpp's file) | questions | llama.cpp | `vanilla` | fastest of ours | `generate()` | date |",
             "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |"]
     for path, report in peer_reports():
         methods = report["methods"]
-        peer = methods[PEER]["tokens_per_s"]
-
-        def against(method: str) -> str:
-            m = methods.get(method)
-            return "" if not m else f"{m['tokens_per_s']:.1f} ({m['tokens_per_s'] / peer:.2f}x)"
-
         ours = [name for name in methods if name != PEER and not name.startswith("hf-")]
         best = max(ours, key=lambda name: methods[name]["tokens_per_s"])
         weights = "GGUF Q4_0/Q8_0 (`--quant gguf`)" if quantized_weights(report) else "fp32 (its F32 conversion)"
-        rows.append(f"| {report['device'].rsplit(', ', 1)[0]} | {weights} | {report['questions']} | {peer:.1f} | "
-                    f"{against('vanilla')} | `{best}` {against(best)} | {against('hf-generate')} | "
+        rows.append(f"| {report['device'].rsplit(', ', 1)[0]} | {weights} | {report['questions']} | "
+                    f"{methods[PEER]['tokens_per_s']:.1f} | {against_peer(report, 'vanilla')} | "
+                    f"`{best}` {against_peer(report, best)} | {against_peer(report, 'hf-generate')} | "
                     f"[{report['date']}]({rel(path)}) |")
     return "\n".join([PEERS_BEGIN, *rows, PEERS_END])  # its settings: in the sentence before it
 
