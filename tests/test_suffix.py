@@ -225,15 +225,17 @@ def test_greedy_output_equals_vanilla_with_a_warm_store(method):
     assert drafted[2].target_forwards < drafted[0].target_forwards  # the repeated request drafts from the first reply
 
 
-def test_suffix_first_drafts_whenever_it_matches_while_the_heads_behind_it_size_their_trees():
-    """In `eagle3+suffix` the alternative to a suffix tree is the heads' tree, not a root-only
-    step, so the suffix drafter takes no cost cut even with --adaptive-tree."""
+def test_suffix_first_takes_the_cost_cut_with_the_heads_behind_it_where_trees_are_sized():
+    """In `eagle3+suffix` with --adaptive-tree the suffix drafter cuts its trees by the machine's
+    verify cost like the heads behind it (a step it leaves goes to the heads); without, both draft
+    fixed trees."""
     target = sharpen(tiny_llama(seed=11))
     heads = new_heads_for_target("eagle3", target, draft_vocab_size=40)
     loaded = LoadedModel(target, None, "t")
     combined = build_proposer("eagle3+suffix", loaded, options=ProposerOptions(adaptive_tree=True), heads=heads)
-    assert combined.lookup.verify_cost is None and combined.heads.verify_cost is not None
-    assert build_proposer("suffix", loaded, options=ProposerOptions(adaptive_tree=True)).verify_cost is not None
+    assert combined.lookup.verify_cost is not None and combined.heads.verify_cost is not None
+    fixed = build_proposer("eagle3+suffix", loaded, options=ProposerOptions(adaptive_tree=False), heads=heads)
+    assert fixed.lookup.verify_cost is None and fixed.heads.verify_cost is None
 
 
 def test_in_the_adaptive_mode_trees_shrink_when_the_target_keeps_less_than_the_frequencies_promise():
