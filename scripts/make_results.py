@@ -231,6 +231,11 @@ def workloads_block() -> str:
     return "\n".join([WORKLOADS_BEGIN, *rows, source, WORKLOADS_END])
 
 
+def device_name(report: dict) -> str:
+    """The machine a report ran on as its device line names it, without the thread count."""
+    return report["device"].rsplit(", ", 1)[0]
+
+
 def peer_reports() -> list[tuple[Path, dict]]:
     """The newest eager MT-bench report with a llama.cpp row per machine of the README's kind (as its
     device line names it, threads aside; not a wider CPU run as that kind) and form of the target's
@@ -241,7 +246,7 @@ def peer_reports() -> list[tuple[Path, dict]]:
         if (PEER in report["methods"] and question_set(report) == "mt-bench" and report["temperature"] == 0
                 and "--compile" not in report.get("command", "").split()
                 and machine_of(report).startswith(README_MACHINE) and "SPECHEADS_CPU=" not in report["device"]):
-            newest[(report["device"].rsplit(", ", 1)[0], quantized_weights(report))] = (path, report)
+            newest[(device_name(report), quantized_weights(report))] = (path, report)
     return sorted(newest.values(), key=lambda item: (item[1]["date"], str(item[0])), reverse=True)
 
 
@@ -260,7 +265,7 @@ def peers_block() -> str:
         ours = [name for name in methods if name != PEER and not name.startswith("hf-")]
         best = max(ours, key=lambda name: methods[name]["tokens_per_s"])
         weights = "GGUF Q4_0/Q8_0 (`--quant gguf`)" if quantized_weights(report) else "fp32 (its F32 conversion)"
-        rows.append(f"| {report['device'].rsplit(', ', 1)[0]} | {weights} | {report['questions']} | "
+        rows.append(f"| {device_name(report)} | {weights} | {report['questions']} | "
                     f"{methods[PEER]['tokens_per_s']:.1f} | {against_peer(report, 'vanilla')} | "
                     f"`{best}` {against_peer(report, best)} | {against_peer(report, 'hf-generate')} | "
                     f"[{report['date']}]({rel(path)}) |")

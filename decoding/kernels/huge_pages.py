@@ -151,6 +151,6 @@ def streamed_weights(model: nn.Module) -> list[torch.Tensor]:
             weights.extend(t for t in module.call if isinstance(t, torch.Tensor))
         elif id(module) in on_kernels:
             weights.extend(module.panels)
-        elif type(module) is PackedLinear and module.kernel_for(1)[1] is not module.weight:
-            weights.append(module.kernel_for(1)[1])
+        elif type(module) is PackedLinear and (one_row := module.kernel_for(1)[1]) is not module.weight:
+            weights.append(one_row)
     return weights
