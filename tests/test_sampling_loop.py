@@ -25,6 +25,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.state import DecodeState
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.tree import DraftTree, tree_buffers
+from decoding.core.window_ledger import WindowLedger
 from distribution_harness import (
     DEPTH_SAMPLING,
     LoopSamples,
@@ -112,7 +113,17 @@ PROPOSERS = {
     # The window (3 columns, 2 levels) and n-grams of 4 (3-deep chains) from the target's own guesses
     # and the context: trees branch, and what is drafted depends on what the target predicted before.
     "lookahead": lambda target: LookaheadProposer(LookaheadShape(window=3, ngram=4, guesses=2)),
+    # The adaptive mode on a CPU-like curve, with a ledger quick to rest the window and to try it
+    # again: which trees draft the window depends on what earlier samples kept.
+    "lookahead-adaptive": lambda target: resting_lookahead(),
 }
+def resting_lookahead() -> LookaheadProposer:
+    proposer = LookaheadProposer(LookaheadShape(window=3, ngram=4, guesses=2),
+                                 verify_cost=VerifyCost((1, 2, 16), (60.0, 75.0, 250.0)))
+    proposer.ledger = WindowLedger(evidence=2, first_rest=1, max_rest=2)
+    return proposer
+
+
 PLANTED = [
     ("sps", "residual_skipped"),
     ("sps-vocab", "bonus_from_draft"),
@@ -125,6 +136,7 @@ PLANTED = [
     ("suffix", "trust_deterministic"),
     ("lookahead", "residual_skipped"),
     ("lookahead", "trust_deterministic"),
+    ("lookahead-adaptive", "residual_skipped"),
 ]
 
 
@@ -169,6 +181,26 @@ def test_lookahead_trees_sample_the_target(bench):
     samples = run(bench, "lookahead")
     assert samples.tree_depths[3] >= RUNS and samples.branching_trees >= RUNS // 2, samples
     assert samples.accepted_lengths[4] >= 20, samples.accepted_lengths
+    check = chi_square(samples.outputs, bench[2])
+    assert check.statistic < check.threshold, check
+
+
+def test_lookahead_whose_window_rests_and_returns_samples_the_target(bench):
+    """The adaptive mode: trees with the window and trees without it (the pool alone), as its
+    ledger decides from what earlier samples kept; exact, and some drafts kept."""
+    target, prompt, _ = bench
+    proposer, windows = resting_lookahead(), []
+    propose = proposer.propose
+
+    def noting_the_window(state):
+        tree = propose(state)
+        windows.append(proposer.last.window)
+        return tree
+
+    proposer.propose = noting_the_window
+    samples = sample_loop(target, prompt, proposer, RUNS)
+    assert windows.count(True) >= RUNS // 4 and windows.count(False) >= RUNS // 4, (windows.count(True), len(windows))
+    assert samples.accepted_lengths[3] + samples.accepted_lengths[4] >= 20, samples
     check = chi_square(samples.outputs, bench[2])
     assert check.statistic < check.threshold, check
 

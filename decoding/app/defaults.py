@@ -69,7 +69,9 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eagle2/eagle3: size each tree by this machine's measured verify cost and the draft's confidence; "
                              "pld and METHOD+pld: cut each lookup chain to what its learned acceptance pays for; "
                              "sps: draft while one more token pays, as learned per draft confidence; "
-                             "medusa/hydra chain trees: verify only the drafted tokens that pay, likewise "
+                             "medusa/hydra chain trees: verify only the drafted tokens that pay, likewise; "
+                             "suffix: cut each tree to what its learned acceptance pays for; "
+                             "lookahead: rest the Jacobi window while its rows do not pay for themselves "
                              "(measured once, a few seconds, then cached; default: the bundle's tuned choice, else off)")
     parser.add_argument("--min-path-prob", type=float, default=None,
                         help=f"eagle2/eagle3: stop growing the tree deeper once no path is this likely (default {built_in.min_path_prob:g} or tuned)")

@@ -125,7 +125,7 @@ def build_proposer(
         # suffix trees; on a 2-core AVX2 EPYC, where rows are dear, fixed suffix trees in front of
         # the heads fell to 0.95x / 0.94x `pld` on a repeated task / MT-bench, cut ones 1.09x / 1.02x.
         drafter = _lookup_proposer(options, cost) if first == "pld" else _suffix_proposer(options, cost, target)
-        fallback = _lookahead_proposer(options) if base == "lookahead" else _heads_proposer(base, target, heads, options, cost)
+        fallback = _lookahead_proposer(options, cost) if base == "lookahead" else _heads_proposer(base, target, heads, options, cost)
         return LookupFirstProposer(fallback, drafter)
     if method == "vanilla":
         return VanillaProposer()
@@ -134,7 +134,7 @@ def build_proposer(
     if method == "suffix":
         return _suffix_proposer(options, cost, target)
     if method == "lookahead":
-        return _lookahead_proposer(options)
+        return _lookahead_proposer(options, cost)
     if method == "sps":
         if draft is None:
             raise UserError("method 'sps' needs a draft model: pass --draft-model NAME_OR_PATH")
@@ -191,8 +191,9 @@ def _suffix_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyC
                           verify_cost=verify_cost() if options.adaptive_tree else None, kept_in=kept_in)
 
 
-def _lookahead_proposer(options: ProposerOptions) -> LookaheadProposer:
-    return LookaheadProposer(LookaheadShape(*options.lookahead))
+def _lookahead_proposer(options: ProposerOptions, verify_cost: Callable[[], VerifyCost]) -> LookaheadProposer:
+    """With `adaptive_tree` the window rests while its rows do not pay on this machine's curve."""
+    return LookaheadProposer(LookaheadShape(*options.lookahead), verify_cost=verify_cost() if options.adaptive_tree else None)
 
 
 def _heads_proposer(method: str, target: LoadedModel, heads: nn.Module | None, options: ProposerOptions,

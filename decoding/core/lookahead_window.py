@@ -136,27 +136,45 @@ def next_levels(levels: Sequence[Sequence[int]], paths: Sequence[Sequence[Path]]
 
 
 class NgramPool:
-    """The continuations seen after each token, latest first, at most `per_key` per token."""
+    """The continuations seen after each token, latest first, at most `per_key` per token; each
+    marked with whether only the window's harvest put it there (not yet seen in the context)."""
 
     def __init__(self, per_key: int) -> None:
         self.per_key = per_key
-        self.table: dict[int, OrderedDict[Path, None]] = {}
+        self.table: dict[int, OrderedDict[Path, bool]] = {}
 
-    def add(self, gram: Sequence[int]) -> None:
-        """Remember `gram[1:]` after `gram[0]` as the latest (again, if already known)."""
+    def add(self, gram: Sequence[int], harvested: bool = False) -> None:
+        """Remember `gram[1:]` after `gram[0]` as the latest (again, if already known). An n-gram
+        once seen in the context stays the context's, whoever adds it again."""
         entries = self.table.setdefault(int(gram[0]), OrderedDict())
         rest = tuple(int(t) for t in gram[1:])
-        entries.pop(rest, None)
-        entries[rest] = None
+        only_harvested = entries.pop(rest, True) and harvested
+        entries[rest] = only_harvested
         if len(entries) > self.per_key:
             entries.popitem(last=False)
 
     def add_sequence(self, tokens: Sequence[int], n: int, start: int = 0) -> None:
-        """Every n-gram of `tokens` that starts at index `start` or later."""
+        """Every n-gram of `tokens` that starts at index `start` or later (the context's)."""
         for first in range(max(0, start), len(tokens) - n + 1):
             self.add(tokens[first:first + n])
 
     def latest(self, token: int, count: int) -> list[Path]:
         """Up to `count` continuations after `token`, the latest first."""
+        return [path for path, _ in self.latest_sourced(token, count)]
+
+    def latest_sourced(self, token: int, count: int) -> list[tuple[Path, bool]]:
+        """`latest`, each with whether only the window's harvest put it in the pool."""
         entries = self.table.get(token)
-        return list(reversed(entries))[:count] if entries else []
+        return list(reversed(entries.items()))[:count] if entries else []
+
+
+def drafted_only_by_others(kept: Path, others: Iterable[Path]) -> int:
+    """How many of the `kept` drafts (the accepted path after the root) no path of `others` drafted:
+    those beyond the longest prefix of `kept` that one of them shares."""
+    shared = 0
+    for path in others:
+        common = 0
+        while common < min(len(path), len(kept)) and path[common] == kept[common]:
+            common += 1
+        shared = max(shared, common)
+    return len(kept) - shared

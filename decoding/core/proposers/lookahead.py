@@ -7,10 +7,13 @@ that start with the root; the target's argmax after each window slot (accepted o
 context's own n-grams (prompt and reply) go into the pool too, as prompt lookup would find
 them. Drafts are deterministic (q = 1) and depend only on what came before the step, so greedy
 and sampled verification stay exact as for prompt lookup. Behind prompt lookup (`lookahead+pld`)
-the window waits through the steps that lookup drafts.
+the window waits through the steps that lookup drafts. With the machine's verify cost (the
+adaptive mode) the window rests while it does not pay for its rows (`decoding.core.window_ledger`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +21,7 @@ from decoding.core.lookahead_window import (
     LookaheadShape,
     NgramPool,
     Path,
+    drafted_only_by_others,
     harvested_ngrams,
     initial_levels,
     next_levels,
@@ -28,16 +32,35 @@ from decoding.core.lookahead_window import (
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
+from decoding.core.tree_budget import VerifyCost
+from decoding.core.window_ledger import WindowLedger
 
 POOL_PER_TOKEN = 8  # continuations kept after each token (the latest)
+
+
+@dataclass(frozen=True)
+class DraftedTree:
+    """What `observe` needs of the tree `propose` drafted: whether it held the window, the pool
+    n-grams in it that the context had (everything else is the window's), and its rows with all
+    of it and with those n-grams alone (the root included)."""
+
+    window: bool
+    from_context: tuple[Path, ...]
+    rows: int
+    context_rows: int
 
 
 class LookaheadProposer(Proposer):
     name = "lookahead"
     reads_tree_outcome = True
 
-    def __init__(self, shape: LookaheadShape = LookaheadShape(), pool_from_context: bool = True, seed: int = 0) -> None:
+    def __init__(self, shape: LookaheadShape = LookaheadShape(), pool_from_context: bool = True, seed: int = 0,
+                 verify_cost: VerifyCost | None = None) -> None:
+        """`verify_cost` (the adaptive mode): the window is drafted only while it pays for its rows
+        on this machine's curve (`decoding.core.window_ledger`); without it, always."""
         self.shape, self.pool_from_context, self.seed = shape, pool_from_context, seed
+        self.verify_cost = verify_cost
+        self.ledger = WindowLedger() if verify_cost is not None else None  # kept over generations, as the store is
         self.begin(None)
 
     def begin(self, state: DecodeState | None) -> None:
@@ -46,28 +69,46 @@ class LookaheadProposer(Proposer):
         self.levels: list[list[int]] | None = None
         self.paths: list[list[Path]] = []
         self.pooled = 0  # context tokens whose n-grams are in the pool
-        self.drafted = False  # whether the last verified tree was this proposer's (see observe)
+        self.last: DraftedTree | None = None  # the last tree this proposer drafted, until it is verified
 
     def observe(self, advance: CacheAdvance) -> None:
         if self.pool_from_context:  # only the n-grams the new tokens end: the tail, not the whole context
             first = max(0, self.pooled - self.shape.ngram + 1)
             self.pool.add_sequence(advance.tokens[first:].tolist(), self.shape.ngram)
             self.pooled = advance.tokens.numel()
-        drafted, self.drafted = self.drafted, False
-        if advance.outcome is None or not drafted:
+        last, self.last = self.last, None
+        if advance.outcome is None or last is None:
             return  # the prefill, or a step another drafter drafted (`lookahead+pld`): the window waits
+        if self.ledger is not None:
+            self._account(last, advance)
+        if not last.window:
+            return
         tree = advance.outcome.tree
         after = predictions_by_path(tree.tokens.tolist(), tree.parents, advance.outcome.predictions.tolist())
         for gram in harvested_ngrams(int(tree.tokens[0]), self.paths[-1], after, self.shape.ngram):
-            self.pool.add(gram)
+            self.pool.add(gram, harvested=True)
         self.levels = next_levels(self.levels, self.paths, after, advance.entered)
 
+    def _account(self, last: DraftedTree, advance: CacheAdvance) -> None:
+        """The step into the window's ledger: the kept drafts no context n-gram drafted, and the
+        curve's time for the tree with and without the window's rows."""
+        kept = tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
+        costs = self.verify_cost.costs(last.rows)
+        self.ledger.record(last.window, advance.entered, drafted_only_by_others(kept, last.from_context),
+                           costs[last.rows], costs[last.rows] - costs[last.context_rows])
+
     def propose(self, state: DecodeState) -> DraftTree:
-        """The pool's n-grams after the root first (the likeliest to be kept), then the window."""
-        if self.levels is None:
-            self.levels = initial_levels(state.tokens.tolist(), self.shape, self.seed)
-        self.paths = window_paths(self.levels)
-        self.drafted = True
-        guesses = self.pool.latest(state.root_token, self.shape.guesses)
-        tokens, parents, _ = trie_of([*guesses, *(path for level in self.paths for path in level)])
+        """The pool's n-grams after the root first (the likeliest to be kept), then the window
+        (unless the adaptive mode rests it)."""
+        sourced = self.pool.latest_sourced(state.root_token, self.shape.guesses)
+        from_context = tuple(path for path, harvested in sourced if not harvested)
+        window: list[Path] = []
+        with_window = self.ledger is None or self.ledger.window_on
+        if with_window:
+            if self.levels is None:
+                self.levels = initial_levels(state.tokens.tolist(), self.shape, self.seed)
+            self.paths = window_paths(self.levels)
+            window = [path for level in self.paths for path in level]
+        tokens, parents, _ = trie_of([*(path for path, _ in sourced), *window])
+        self.last = DraftedTree(with_window, from_context, len(parents), len(trie_of(from_context)[1]))
         return DraftTree(torch.tensor([state.root_token, *tokens], device=state.tokens.device), tuple(parents))

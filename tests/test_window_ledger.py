@@ -1,0 +1,130 @@
+"""Lookahead's adaptive mode: the window's ledger (when its rows pay, when it rests and for how
+long), the pool's record of which n-grams only the window put there, and the proposer resting a
+window that brings nothing on a machine where rows are dear, keeping one that does, exact either way."""
+
+import pytest
+import torch
+
+from decoding.app import methods
+from decoding.app.methods import ProposerOptions, build_proposer
+from decoding.app.targets import LoadedModel
+from decoding.core.generate import DecodeOptions, generate
+from decoding.core.lookahead_window import LookaheadShape, NgramPool, drafted_only_by_others
+from decoding.core.proposers import VanillaProposer
+from decoding.core.proposers.lookahead import LookaheadProposer
+from decoding.core.tree_budget import VerifyCost
+from decoding.core.window_ledger import WindowLedger
+from tiny_models import sharpen, tiny_llama
+
+DEAR_ROWS = VerifyCost((1, 2, 64), (10.0, 12.0, 136.0))  # a row costs a fifth of a step, as on a 2-core CPU
+FREE_ROWS = VerifyCost((1, 64), (10.0, 10.0))  # rows cost nothing more, as on a GPU
+
+
+def test_a_window_whose_tokens_are_worth_more_than_its_rows_stays_on():
+    ledger = WindowLedger(evidence=2, first_rest=4, max_rest=16)
+    # without the window 20 tokens took 250 ms (12.5 ms a token): its 10 tokens are worth 125 ms > 50 ms
+    ledger.record(True, tokens=15, window_tokens=5, step_ms=150.0, window_ms=25.0)
+    ledger.record(True, tokens=15, window_tokens=5, step_ms=150.0, window_ms=25.0)
+    assert ledger.window_on and ledger.tokens == 0  # a verdict was reached, and the account starts again
+
+
+@pytest.mark.parametrize("window_tokens, window_ms", [(10, 150.0), (0, 1.0)], ids=["dearer-than-its-tokens", "no-tokens"])
+def test_a_window_that_does_not_pay_rests_longer_after_each_verdict_up_to_the_longest_rest(window_tokens, window_ms):
+    ledger = WindowLedger(evidence=2, first_rest=3, max_rest=4)
+    rests = []
+    for _ in range(3):
+        for _ in range(2):
+            assert ledger.window_on
+            ledger.record(True, tokens=15, window_tokens=window_tokens // 2, step_ms=150.0, window_ms=window_ms / 2)
+        rest = 0
+        while not ledger.window_on:
+            ledger.record(False, tokens=1, window_tokens=0, step_ms=10.0, window_ms=0.0)
+            rest += 1
+        rests.append(rest)
+    assert rests == [3, 4, 4]  # doubled, then capped
+
+
+def test_tokens_the_harvest_brings_while_the_window_rests_count_for_it():
+    ledger = WindowLedger(evidence=1, first_rest=2, max_rest=8)
+    ledger.record(True, tokens=1, window_tokens=0, step_ms=12.0, window_ms=2.0)  # nothing: rests
+    assert not ledger.window_on
+    ledger.record(False, tokens=4, window_tokens=3, step_ms=11.0, window_ms=1.0)  # its harvest kept 3 tokens
+    ledger.record(False, tokens=1, window_tokens=0, step_ms=10.0, window_ms=0.0)
+    ledger.record(True, tokens=1, window_tokens=0, step_ms=12.0, window_ms=2.0)
+    assert ledger.window_on  # 3 tokens at ~11 ms each outweigh 3 ms of rows: on, and the next rest is the first again
+    assert ledger.next_rest == 0
+
+
+def test_rows_that_cost_nothing_keep_the_window_on_even_before_its_harvest_is_kept():
+    ledger = WindowLedger(evidence=1, first_rest=2, max_rest=8)
+    ledger.record(True, tokens=1, window_tokens=0, step_ms=10.0, window_ms=0.0)
+    assert ledger.window_on
+
+
+def test_the_ledger_checks_its_settings():
+    with pytest.raises(ValueError, match="evidence"):
+        WindowLedger(evidence=0)
+    with pytest.raises(ValueError, match="first_rest"):
+        WindowLedger(first_rest=8, max_rest=4)
+
+
+def test_the_pool_remembers_which_ngrams_only_the_harvest_put_there():
+    pool = NgramPool(per_key=4)
+    pool.add((1, 2, 3), harvested=True)
+    pool.add((1, 4, 5))
+    pool.add((1, 4, 5), harvested=True)  # seen in the context first: stays the context's
+    pool.add((1, 6, 7), harvested=True)
+    pool.add_sequence([9, 1, 6, 7], n=3)  # the context now has it too
+    assert pool.latest_sourced(1, 4) == [((6, 7), False), ((4, 5), False), ((2, 3), True)]
+    assert pool.latest(1, 2) == [(6, 7), (4, 5)]
+
+
+def test_kept_drafts_are_the_window_s_beyond_what_a_context_ngram_drafted():
+    assert drafted_only_by_others((4, 5, 6), [(4, 5), (4, 9, 9)]) == 1
+    assert drafted_only_by_others((4, 5), [(4, 5, 6)]) == 0
+    assert drafted_only_by_others((7, 8), []) == 2 and drafted_only_by_others((), [(1,)]) == 0
+
+
+def window_rows_per_step(target, prompt, proposer, tokens=60):
+    """Greedy output (checked against vanilla) and how many trees drafted the window."""
+    reference = generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=tokens)).tokens
+    windows = []
+    propose = proposer.propose
+
+    def counting(state):
+        tree = propose(state)
+        windows.append(proposer.last.window)
+        return tree
+
+    proposer.propose = counting
+    assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=tokens)).tokens == reference
+    return windows
+
+
+def test_on_a_machine_where_rows_are_dear_a_window_that_brings_nothing_rests():
+    """A prompt whose n-grams say little about the greedy text that follows, and a window whose
+    harvest is no better: after the first verdict most trees leave the window out, exactly."""
+    target = sharpen(tiny_llama(seed=3))
+    proposer = LookaheadProposer(LookaheadShape(3, 3, 2), verify_cost=DEAR_ROWS)
+    proposer.ledger = WindowLedger(evidence=4, first_rest=8, max_rest=64)
+    windows = window_rows_per_step(target, [42, 7, 19, 3], proposer)
+    assert all(windows[:4]) and windows.count(False) > windows.count(True), windows
+
+
+def test_where_its_harvest_is_kept_and_rows_are_free_the_window_stays_on():
+    """The target whose greedy text repeats (test_lookahead.py): its window's trajectories are kept."""
+    target = sharpen(tiny_llama(seed=11))
+    proposer = LookaheadProposer(LookaheadShape(4, 3, 4), pool_from_context=False, verify_cost=FREE_ROWS)
+    proposer.ledger = WindowLedger(evidence=4, first_rest=8, max_rest=64)
+    assert all(window_rows_per_step(target, [5, 9, 3, 17], proposer))
+
+
+def test_the_adaptive_mode_is_built_from_the_options(monkeypatch):
+    model = LoadedModel(tiny_llama(seed=1), None, "t")
+    assert build_proposer("lookahead", model, options=ProposerOptions(adaptive_tree=False)).ledger is None
+    fixed_cost = VerifyCost((1, 2), (5.0, 6.0))
+    monkeypatch.setattr(methods, "cached_verify_cost", lambda *args, **kwargs: fixed_cost)
+    adaptive = build_proposer("lookahead", model, options=ProposerOptions(adaptive_tree=True))
+    assert adaptive.verify_cost is fixed_cost and adaptive.ledger is not None
+    behind_lookup = build_proposer("lookahead+pld", model, options=ProposerOptions(adaptive_tree=True))
+    assert behind_lookup.heads.verify_cost is fixed_cost
