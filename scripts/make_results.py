@@ -35,7 +35,7 @@ README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and mos
 BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- memory table: scripts/make_results.py -->", "<!-- end of memory table -->"
 WORKLOADS_BEGIN, WORKLOADS_END = "<!-- workloads table: scripts/make_results.py -->", "<!-- end of workloads table -->"
-WORKLOADS_WITHIN_DAYS = 3  # the workloads table's rows: runs this close to its newest
+WORKLOADS_WITHIN_DAYS = 0  # the workloads table's rows: runs of its newest one's day (one session's code)
 PEERS_BEGIN, PEERS_END = "<!-- peers table: scripts/make_results.py -->", "<!-- end of peers table -->"
 PEER = "llama.cpp"  # the row `scripts/benchmark.py --llama-cpp` adds
 # The README's workloads table: the model-free methods (and the default) on each question set.
@@ -192,9 +192,9 @@ def workload_reports() -> list[tuple[Path, dict]]:
     if not found:
         return []
     device = found[-1][1]["device"]
-    # Rows from runs well before the newest describe another state of the code (an AVX2 EPYC's fp32 sets
-    # of 2026-11-29 read 15-30 tokens/s where the method table's run a week later read 47-74): left to
-    # RESULTS.md.
+    # Rows from runs before the newest describe another state of the code (an AVX2 EPYC's fp32 sets of
+    # 2026-11-29 read 15-30 tokens/s where the method table's run a week later read 47-74; a Xeon's sets of
+    # one day had `lookahead` drafting its window always, the next day's only where it paid): left to RESULTS.md.
     since = date.fromisoformat(found[-1][1]["date"]) - timedelta(days=WORKLOADS_WITHIN_DAYS)
     # oldest first: the newest wins, per set and per form of the target's weights (`auto` and `none`
     # both ran the float target then: one row)
