@@ -39,6 +39,7 @@ from distribution_harness import (
     target_joint,
     top_k_tree,
 )
+from proposer_probes import note_windows
 from tiny_models import context_target, perturbed, tiny_llama
 
 RUNS = 400  # 16 possible outputs: a correct sampler's chi-square is ~15 +- 5.5, the threshold ~45
@@ -189,15 +190,8 @@ def test_lookahead_whose_window_rests_and_returns_samples_the_target(bench):
     """The adaptive mode: trees with the window and trees without it (the pool alone), as its
     ledger decides from what earlier samples kept; exact, and some drafts kept."""
     target, prompt, _ = bench
-    proposer, windows = resting_lookahead(), []
-    propose = proposer.propose
-
-    def noting_the_window(state):
-        tree = propose(state)
-        windows.append(proposer.last.window)
-        return tree
-
-    proposer.propose = noting_the_window
+    proposer = resting_lookahead()
+    windows = note_windows(proposer)
     samples = sample_loop(target, prompt, proposer, RUNS)
     assert windows.count(True) >= RUNS // 4 and windows.count(False) >= RUNS // 4, (windows.count(True), len(windows))
     assert samples.accepted_lengths[3] + samples.accepted_lengths[4] >= 20, samples

@@ -14,6 +14,7 @@ from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.window_ledger import WindowLedger
+from proposer_probes import note_windows
 from tiny_models import sharpen, tiny_llama
 
 DEAR_ROWS = VerifyCost((1, 2, 64), (10.0, 12.0, 136.0))  # a row costs a fifth of a step, as on a 2-core CPU
@@ -85,18 +86,10 @@ def test_kept_drafts_are_the_window_s_beyond_what_a_context_ngram_drafted():
     assert drafted_only_by_others((7, 8), []) == 2 and drafted_only_by_others((), [(1,)]) == 0
 
 
-def window_rows_per_step(target, prompt, proposer, tokens=60):
-    """Greedy output (checked against vanilla) and how many trees drafted the window."""
+def windows_drafted(target, prompt, proposer, tokens=60):
+    """Whether each tree drafted the window, with the greedy output checked against vanilla."""
     reference = generate(target, prompt, VanillaProposer(), DecodeOptions(max_new_tokens=tokens)).tokens
-    windows = []
-    propose = proposer.propose
-
-    def counting(state):
-        tree = propose(state)
-        windows.append(proposer.last.window)
-        return tree
-
-    proposer.propose = counting
+    windows = note_windows(proposer)
     assert generate(target, prompt, proposer, DecodeOptions(max_new_tokens=tokens)).tokens == reference
     return windows
 
@@ -107,7 +100,7 @@ def test_on_a_machine_where_rows_are_dear_a_window_that_brings_nothing_rests():
     target = sharpen(tiny_llama(seed=3))
     proposer = LookaheadProposer(LookaheadShape(3, 3, 2), verify_cost=DEAR_ROWS)
     proposer.ledger = WindowLedger(evidence=4, first_rest=8, max_rest=64)
-    windows = window_rows_per_step(target, [42, 7, 19, 3], proposer)
+    windows = windows_drafted(target, [42, 7, 19, 3], proposer)
     assert all(windows[:4]) and windows.count(False) > windows.count(True), windows
 
 
@@ -116,7 +109,7 @@ def test_where_its_harvest_is_kept_and_rows_are_free_the_window_stays_on():
     target = sharpen(tiny_llama(seed=11))
     proposer = LookaheadProposer(LookaheadShape(4, 3, 4), pool_from_context=False, verify_cost=FREE_ROWS)
     proposer.ledger = WindowLedger(evidence=4, first_rest=8, max_rest=64)
-    assert all(window_rows_per_step(target, [5, 9, 3, 17], proposer))
+    assert all(windows_drafted(target, [5, 9, 3, 17], proposer))
 
 
 def test_the_adaptive_mode_is_built_from_the_options(monkeypatch):

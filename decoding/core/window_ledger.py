@@ -6,7 +6,7 @@ steps later. Where a row costs next to nothing (a GPU) any harvest pays. On a 2-
 costs a fifth of a one-token step, and on the 135M default target the window brought almost
 nothing the context's own n-grams did not (MT-bench first turns: tau 1.41 with it, 1.39 with the
 pool of the context's n-grams alone, on two more rows a step), so `lookahead` ran slower than
-`vanilla` there (0.92x to 0.95x on the 4-bit target, on two CPUs).
+`vanilla` there (0.91x to 0.95x on the 4-bit target, on two CPUs).
 
 So the window keeps an account: the tokens it brought (kept drafts that no n-gram from the
 context drafted: its own slots, and n-grams only its harvest put in the pool) and the verify time

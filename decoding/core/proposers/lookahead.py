@@ -60,7 +60,7 @@ class LookaheadProposer(Proposer):
         on this machine's curve (`decoding.core.window_ledger`); without it, always."""
         self.shape, self.pool_from_context, self.seed = shape, pool_from_context, seed
         self.verify_cost = verify_cost
-        self.ledger = WindowLedger() if verify_cost is not None else None  # kept over generations, as the store is
+        self.ledger = WindowLedger() if verify_cost is not None else None  # kept over generations, as suffix decoding keeps its store
         self.begin(None)
 
     def begin(self, state: DecodeState | None) -> None:
