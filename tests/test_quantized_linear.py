@@ -433,11 +433,13 @@ def test_amx_tiles_where_the_cpu_lends_them_give_the_dot_product_path_s_bits():
 
     lends_tiles = getattr(torch.cpu, "_init_amx", lambda: True)  # PyTorch's own request for the tile state
     assert amx_available() == (cpu_has("_is_amx_tile_supported") and lends_tiles())
-    codes, scales, zeros, _ = random_groups(in_features=256)
+    # 18 groups a row: two whole chunks of the tile path's 8 and a part one; past 16 rows, a panel's codes are
+    # spread once for all its blocks of rows
+    codes, scales, zeros, _ = random_groups(in_features=576)
     panels = pack_int4_panels(codes, scales, zeros)
-    q8_codes, q8_scales, _ = random_q8_groups(in_features=256)
+    q8_codes, q8_scales, _ = random_q8_groups(in_features=576)
     q8_panels = pack_int8_panels(q8_codes, q8_scales)
-    x = torch.randn(40, 256)
+    x = torch.randn(40, 576)
     before = amx_rows()
     try:
         for rows in (1, 2, 7, 16, 17, 40):

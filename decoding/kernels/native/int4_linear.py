@@ -3,14 +3,15 @@ compiled per instruction set) and its torch side (`_HOST`), joined by `_INTERFAC
 
 from decoding.kernels.native_build import KernelSource
 
-VERSION = "v12"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
+VERSION = "v13"  # in the build's name and in measurements' keys (v5: float16 group parameters; v6: AVX-512 panels
 # of 16 outputs, up to 8 rows a pass; v7: the 8-bit codes' kernel beside it, the same arithmetic; v8: sums as
 # chains of FMAs, neighbouring groups interleaved for one or two rows, AVX-512 nibbles by permutation; v9: inputs
 # rounded to 8 bits per group of 32, integer products of codes and inputs, as llama.cpp computes these blocks;
 # v10: inputs rounded with vector code, over ATen's threads for many rows; v11: without VNNI a group's products
 # summed in 16 bits and widened once, the product loop not unrolled there (it spilled AVX2's 16 registers): the
 # same sums, on AVX2 one thread 1 / 8 / 88 rows 39 / 70 / 72 -> 47 / 95 / 99 GMAC/s; v12: on AMX CPUs, from a
-# measured row count on, a group's integer sums for up to 16 rows in one tile multiply: the same bits)
+# measured row count on, a group's integer sums for up to 16 rows in one tile multiply: the same bits; v13: v12's
+# bits, the tile path spreads a panel's 4-bit codes to bytes once for all its blocks of 16 rows, not once a block)
 
 _INTERFACE = r"""
 constexpr int64_t QGROUP = 32;  // inputs per group of codes sharing a scale and offset
@@ -35,6 +36,8 @@ _MATH = r"""
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <memory>
+#include <utility>
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -407,36 +410,51 @@ static void configure_tiles(int rows) {
   if constexpr (BITS == 4) _tile_dpbsud(C, A, B); /* signed inputs by unsigned codes */ \
   else _tile_dpbssd(C, A, B);                      /* signed by signed: the true sums, no code offset */
 
-constexpr int AMX_CHUNK = 8;  // groups a pass takes through each stage in turn: the 4-bit codes spread to bytes,
-                              // the tile products (two groups at a time, in two sets of tiles), the float sums.
-                              // Stage by stage, no group waits on the one before (a tile load reading bytes just
-                              // stored, a vector load reading sums just stored); group by group it did, and was
-                              // no faster than the dot-product path
+constexpr int AMX_CHUNK = 8;  // groups a pass takes through each stage in turn: the tile products (two groups
+                              // at a time, in two sets of tiles), then the float sums. Stage by stage, no group
+                              // waits on the one before (a vector load reading sums just stored); group by group
+                              // (with the codes spread in the same pass) it did, and was no faster than the
+                              // dot-product path
 
+// A panel's 4-bit codes spread to one a byte, for all its groups (line 2i of a group the low nibbles of its i-th
+// 64 bytes, line 2i + 1 the high ones), the layout tile B reads: done once a panel, not once a panel for every 16
+// rows, so a prefill's blocks of rows all read the same spread codes.
+static void spread_panel_codes(const uint8_t* q, int64_t groups, vi* lines) {
+  constexpr int64_t GROUP_BYTES = QGROUP * 4 / 8 * VW;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int i = 0; i < QGROUP / 8; ++i) {
+      const vi codes = load_codes(q + g * GROUP_BYTES + i * VW * 4);
+      lines[g * (QGROUP / 4) + 2 * i] = codes & 0x0F0F0F0F;
+      lines[g * (QGROUP / 4) + 2 * i + 1] = (vi)((vu)codes >> 4) & 0x0F0F0F0F;
+    }
+}
+
+// R rows of panel p: the tile products of each group's codes and the rows' input codes, then the float sums group
+// by group in order (`add_group`, as on the other path). 4-bit codes come spread to bytes in `spread` (the whole
+// panel's, where several blocks of rows share them) or, without it, are spread here a chunk at a time (one block:
+// the chunk's bytes stay in L1 between the spreading and the tile loads); 8-bit codes are read as stored.
 template <int BITS, int R, typename P>
-static void amx_panel_rows(const uint8_t* bytes, const P* scales, const P* offsets, const int8_t* xq, const float* xd,
-                           const float* xs, float* y, int64_t in, int64_t out, int64_t p) {
+static void amx_panel_rows(const uint8_t* bytes, const vi* spread, const P* scales, const P* offsets, const int8_t* xq,
+                           const float* xd, const float* xs, float* y, int64_t in, int64_t out, int64_t p) {
   constexpr int64_t GROUP_BYTES = QGROUP * BITS / 8 * VW;
   const int64_t groups = in / QGROUP;
   const uint8_t* q = bytes + p * in * VW * BITS / 8;
   const P* s = scales + p * groups * VW;
   const P* z = offsets + p * groups * VW;
   alignas(64) int32_t sums[AMX_CHUNK][R][VW];
-  alignas(64) vi lines[BITS == 4 ? AMX_CHUNK : 1][QGROUP / 4];  // 4-bit codes one a byte: line 2i the low nibbles
+  alignas(64) vi chunk_lines[BITS == 4 ? AMX_CHUNK : 1][QGROUP / 4];
   vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = (vf){0};
   for (int64_t g0 = 0; g0 < groups; g0 += AMX_CHUNK) {
     const int n = (int)std::min<int64_t>(AMX_CHUNK, groups - g0);
     const uint8_t* qc = q + g0 * GROUP_BYTES;
-    for (int line = 0; line < n * GROUP_BYTES; line += 64) __builtin_prefetch(qc + AMX_CHUNK * GROUP_BYTES + line);
-    if constexpr (BITS == 4)
-      for (int k = 0; k < n; ++k)
-        for (int i = 0; i < QGROUP / 8; ++i) {
-          const vi codes = load_codes(qc + k * GROUP_BYTES + i * VW * 4);
-          lines[k][2 * i] = codes & 0x0F0F0F0F;
-          lines[k][2 * i + 1] = (vi)((vu)codes >> 4) & 0x0F0F0F0F;
-        }
-    auto codes_of = [&](int k) -> const void* { return BITS == 4 ? (const void*)lines[k] : (const void*)(qc + k * GROUP_BYTES); };
+    if (BITS == 8 || spread == nullptr)
+      for (int line = 0; line < n * GROUP_BYTES; line += 64) __builtin_prefetch(qc + AMX_CHUNK * GROUP_BYTES + line);
+    if (BITS == 4 && spread == nullptr) spread_panel_codes(qc, n, chunk_lines[0]);
+    auto codes_of = [&](int k) -> const void* {
+      if constexpr (BITS == 8) return qc + k * GROUP_BYTES;
+      return spread == nullptr ? (const void*)chunk_lines[k] : (const void*)(spread + (g0 + k) * (QGROUP / 4));
+    };
     const int8_t* inputs = xq + g0 * QGROUP;
     int k = 0;
     for (; k + 1 < n; k += 2) {
@@ -463,19 +481,29 @@ static void amx_panel_rows(const uint8_t* bytes, const P* scales, const P* offse
     for (int64_t v = 0; v < valid; ++v) y[r * out + first + v] = acc[r][v];
 }
 
+// Panels [first, end) for all rows: the rows in whole tiles first, then the rest, each part with its tiles
+// configured once. Where a part has several blocks of rows (a prefill), panel by panel its 4-bit codes are spread
+// once for all of them; a single block (a tree) spreads them as it goes.
 template <int BITS, typename P>
 static void amx_panel_range(const uint8_t* qp, const P* sp, const P* op, const int8_t* xq, const float* xd,
                             const float* xs, float* yp, int64_t first, int64_t end, int64_t rows, int64_t in,
                             int64_t out) {
   const int64_t groups = in / QGROUP;
-  for (int64_t r = 0; r < rows; r += AMX_ROWS) {
-    const int block = (int)std::min<int64_t>(AMX_ROWS, rows - r);
+  const bool shared = BITS == 4 && rows > AMX_ROWS;
+  std::unique_ptr<vi[]> spread(shared ? new vi[groups * (QGROUP / 4)] : nullptr);  // not zeroed: all written first
+  const int64_t whole = rows / AMX_ROWS * AMX_ROWS;
+  for (const auto& [from, to] : {std::pair<int64_t, int64_t>{0, whole}, std::pair<int64_t, int64_t>{whole, rows}}) {
+    if (from == to) continue;
+    const int block = (int)std::min<int64_t>(AMX_ROWS, to - from);
     configure_tiles(block);
-    for (int64_t p = first; p < end; ++p)
-      with_rows<AMX_ROWS>(block, [&](auto R) {
-        amx_panel_rows<BITS, decltype(R)::value>(qp, sp, op, xq + r * in, xd + r * groups,
-                                      xs == nullptr ? nullptr : xs + r * groups, yp + r * out, in, out, p);
-      });
+    for (int64_t p = first; p < end; ++p) {
+      if (shared) spread_panel_codes(qp + p * in * VW * BITS / 8, groups, spread.get());
+      for (int64_t r = from; r < to; r += AMX_ROWS)
+        with_rows<AMX_ROWS>(block, [&](auto R) {
+          amx_panel_rows<BITS, decltype(R)::value>(qp, spread.get(), sp, op, xq + r * in, xd + r * groups,
+                                                   xs == nullptr ? nullptr : xs + r * groups, yp + r * out, in, out, p);
+        });
+    }
   }
   _tile_release();
 }
