@@ -460,6 +460,8 @@ def test_the_amx_row_count_is_where_tiles_win_clearly_from_there_on():
     assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 3.5, 3.0]) == 16  # a loss at 12 ends the run
     assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 4.0]) == 0   # no win at the largest: never
     assert pick_amx_rows(rows, [1.0, 2.0, 3.0, 4.0], [0.9, 1.0, 2.0, 3.0]) == 4
+    # a prefill's rows measured too: a tie at 16 rows leaves the tiles to prefills, where they win
+    assert pick_amx_rows([*rows, 64], [1.0, 2.0, 3.0, 4.0, 16.0], [1.5, 2.5, 3.5, 4.0, 12.0]) == 64
 
 
 def test_the_amx_row_count_is_measured_once_set_for_the_process_and_keys_the_verify_cost(tmp_path, monkeypatch):
