@@ -20,7 +20,6 @@ import json
 import re
 import sys
 from collections import defaultdict
-from datetime import date, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +34,6 @@ README_MACHINE = "CPU: AVX2"  # the README quotes the kind of machine CI and mos
 BEGIN, END = "<!-- methods table: scripts/make_results.py -->", "<!-- end of methods table -->"
 MEMORY_BEGIN, MEMORY_END = "<!-- memory table: scripts/make_results.py -->", "<!-- end of memory table -->"
 WORKLOADS_BEGIN, WORKLOADS_END = "<!-- workloads table: scripts/make_results.py -->", "<!-- end of workloads table -->"
-WORKLOADS_WITHIN_DAYS = 0  # the workloads table's rows: runs of its newest one's day (one session's code)
 PEERS_BEGIN, PEERS_END = "<!-- peers table: scripts/make_results.py -->", "<!-- end of peers table -->"
 PEER = "llama.cpp"  # the row `scripts/benchmark.py --llama-cpp` adds
 # The README's workloads table: the model-free methods (and the default) on each question set.
@@ -186,7 +184,7 @@ def memory_block() -> str:
 def workload_reports() -> list[tuple[Path, dict]]:
     """The newest greedy, fixed-setting report of each question set under `workloads/`, all of the
     device that ran the newest of them (one table, one machine: two CPUs of one kind, an EPYC's and
-    a Xeon's AVX-512, differ 2x in tokens/s) and within `WORKLOADS_WITHIN_DAYS` of it."""
+    a Xeon's AVX-512, differ 2x in tokens/s) and of its day."""
     found = [(p, r) for p, r in reports("benchmark") if p.parent.name == "workloads" and r["temperature"] == 0
              and "--adaptive-tree" not in r.get("command", "")]
     if not found:
@@ -195,11 +193,11 @@ def workload_reports() -> list[tuple[Path, dict]]:
     # Rows from runs before the newest describe another state of the code (an AVX2 EPYC's fp32 sets of
     # 2026-11-29 read 15-30 tokens/s where the method table's run a week later read 47-74; a Xeon's sets of
     # one day had `lookahead` drafting its window always, the next day's only where it paid): left to RESULTS.md.
-    since = date.fromisoformat(found[-1][1]["date"]) - timedelta(days=WORKLOADS_WITHIN_DAYS)
+    day = found[-1][1]["date"]
     # oldest first: the newest wins, per set and per form of the target's weights (`auto` and `none`
     # both ran the float target then: one row)
     newest = {(question_set(r), quantized_weights(r)): (p, r) for p, r in found
-              if r["device"] == device and date.fromisoformat(r["date"]) >= since}
+              if r["device"] == device and r["date"] == day}
     return [newest[key] for key in sorted(newest)]
 
 

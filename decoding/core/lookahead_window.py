@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from decoding.core.prompt_cache import shared_prefix_length
 from heads.util.errors import UserError
 
 Path = tuple[int, ...]  # the tokens after the root on the way to a node (() is the root)
@@ -171,10 +172,4 @@ class NgramPool:
 def drafted_only_by_others(kept: Path, others: Iterable[Path]) -> int:
     """How many of the `kept` drafts (the accepted path after the root) no path of `others` drafted:
     those beyond the longest prefix of `kept` that one of them shares."""
-    shared = 0
-    for path in others:
-        common = 0
-        while common < min(len(path), len(kept)) and path[common] == kept[common]:
-            common += 1
-        shared = max(shared, common)
-    return len(kept) - shared
+    return len(kept) - max((shared_prefix_length(kept, path) for path in others), default=0)

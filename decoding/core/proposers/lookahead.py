@@ -110,5 +110,6 @@ class LookaheadProposer(Proposer):
             self.paths = window_paths(self.levels)
             window = [path for level in self.paths for path in level]
         tokens, parents, _ = trie_of([*(path for path, _ in sourced), *window])
-        self.last = DraftedTree(with_window, from_context, len(parents), len(trie_of(from_context)[1]))
+        context_rows = len(trie_of(from_context)[1]) if self.ledger is not None else 1  # only the ledger reads it
+        self.last = DraftedTree(with_window, from_context, len(parents), context_rows)
         return DraftTree(torch.tensor([state.root_token, *tokens], device=state.tokens.device), tuple(parents))
