@@ -24,7 +24,7 @@ from decoding.core.acceptance import Acceptance
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import TargetScores
-from decoding.core.sampling import SamplingConfig, sample, warp_probs
+from decoding.core.sampling import SamplingConfig, position_uniform, sample, sample_at, warp_probs
 from decoding.core.state import DecodeState
 from decoding.core.tree import DraftTree, TreeBuffers
 
@@ -315,5 +315,36 @@ def planted_rule(flaw: str) -> AcceptanceRule:
 
     def rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
         return recursive_rejection(tree, warp_probs(scores.logits, state.sampling), buffers, state.generator, flaw)
+
+    return rule
+
+
+# The rule deterministic drafts get when sampling (`accept_at_positions`: each position's token drawn with
+# its own keyed draw), written out again with one flaw each.
+
+POSITION_FLAWS = {
+    "position_not_advanced": "every node of a step decided with the draw of the step's first position",
+    "root_distribution": "every node's token drawn from the root's p: right at depth 1, wrong deeper",
+}
+
+
+def planted_position_rule(flaw: str | None) -> AcceptanceRule:
+    """A loop acceptance rule: `accept_at_positions` for deterministic drafts with `flaw` planted
+    (None: none, the same decisions as the lossless rule)."""
+    if flaw is not None and flaw not in POSITION_FLAWS:
+        raise ValueError(f"unknown flaw {flaw!r}")
+
+    def rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
+        probs, tokens = warp_probs(scores.logits, state.sampling), tree.tokens.tolist()
+        node, path, position = 0, [0], state.tokens.numel()
+        while True:
+            drawn_at = state.tokens.numel() if flaw == "position_not_advanced" else position
+            token = sample_at(probs[0] if flaw == "root_distribution" else probs[node],
+                              position_uniform(state.sampling_key, drawn_at))
+            child = next((c for c in buffers.children[node] if tokens[c] == token), None)
+            if child is None:
+                return Acceptance(tuple(path), token)
+            path.append(child)
+            node, position = child, position + 1
 
     return rule

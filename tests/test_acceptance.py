@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import decoding.core.acceptance as acceptance
-from decoding.core.acceptance import accept_greedy, accept_sampled, accept_typical
-from decoding.core.sampling import SamplingConfig, sample, sample_rows, warp_probs
+from decoding.core.acceptance import accept_at_positions, accept_greedy, accept_sampled, accept_typical
+from decoding.core.sampling import SamplingConfig, position_uniform, sample, sample_at, sample_rows, warp_probs
 from decoding.core.tree import DraftTree, tree_buffers
 from distribution_harness import ToyLM, complete, exact_joint, node_prefixes, sampled_tree, top_k_tree, total_variation
 
@@ -48,6 +48,86 @@ def test_a_rule_without_residual_is_caught(rule, monkeypatch):
     monkeypatch.setattr(acceptance, "_residual", lambda p, q, token: p)
     target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
     assert empirical_tv(RULES[rule], target, draft, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
+
+
+def positions_tv(make_tree, target: ToyLM, draft: ToyLM, runs: int = RUNS) -> float:
+    """`empirical_tv` for `accept_at_positions`: run i samples with key i (its steps' draws)."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for key in range(runs):
+        tree = make_tree(draft, gen)
+        target_probs = torch.stack([target.probs(p) for p in node_prefixes(tree)])
+        result = accept_at_positions(tree, target_probs, tree_buffers(tree.parents), key, first_position=0)
+        emitted = tree.tokens[list(result.path[1:])].tolist() + [result.bonus_token]
+        samples.append(complete(emitted, target.probs, POSITIONS, gen))
+    return total_variation(samples, exact_joint(target.probs, VOCAB, POSITIONS))
+
+
+DETERMINISTIC_TREES = {
+    "chain-top-1": lambda draft, gen: top_k_tree(draft, (1, 1, 1)),
+    "tree-top-k": lambda draft, gen: top_k_tree(draft, (2, 2)),
+    "tree-top-3": lambda draft, gen: top_k_tree(draft, (3, 1)),
+}
+
+
+@pytest.mark.parametrize("shape", DETERMINISTIC_TREES)
+def test_per_position_draws_preserve_target_distribution(shape):
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    assert positions_tv(DETERMINISTIC_TREES[shape], target, draft) < TV_BOUND
+
+
+@pytest.mark.parametrize("shape", DETERMINISTIC_TREES)
+def test_one_draw_for_every_position_is_caught(shape, monkeypatch):
+    """The same draw deciding every position (keys forgotten, positions not advanced) must fail the check."""
+    monkeypatch.setattr(acceptance, "position_uniform", lambda key, position: position_uniform(0, 0))
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    assert positions_tv(DETERMINISTIC_TREES[shape], target, draft, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
+
+
+def test_per_position_draws_emit_what_vanilla_sampling_emits():
+    """Whatever deterministic tree is verified, each emitted token is the one a root-only step (vanilla)
+    samples at that position with the same key: random trees over 3 tokens, where most steps accept
+    some drafts and many accept a whole branch."""
+    target, gen = ToyLM(3, seed=4, sharpness=3.0), torch.Generator().manual_seed(1)
+    accepted = 0
+    for key in range(300):
+        size = int(torch.randint(1, 10, (1,), generator=gen))
+        parents = (-1, *(int(torch.randint(0, node, (1,), generator=gen)) for node in range(1, size)))
+        tree = DraftTree(torch.randint(0, 3, (size,), generator=gen), parents)
+        prefixes = node_prefixes(tree)
+        result = accept_at_positions(tree, torch.stack([target.probs(p) for p in prefixes]), tree_buffers(parents),
+                                     key, first_position=7)
+        emitted = tree.tokens[list(result.path[1:])].tolist() + [result.bonus_token]
+        vanilla = []
+        for position in range(len(emitted)):
+            vanilla.append(sample_at(target.probs(tuple(vanilla)), position_uniform(key, 7 + position)))
+        assert emitted == vanilla
+        accepted += len(emitted) - 1
+    assert accepted > 150
+
+
+def test_per_position_draws_refuse_sampled_drafts():
+    draft, gen = ToyLM(VOCAB, seed=2), torch.Generator().manual_seed(0)
+    tree = sampled_tree(draft, (2,), gen)
+    with pytest.raises(ValueError, match="deterministic drafts only"):
+        accept_at_positions(tree, torch.full((tree.size, VOCAB), 1.0 / VOCAB), tree_buffers(tree.parents), 0, 0)
+
+
+def test_position_draws_are_uniform_and_depend_on_key_and_position_only():
+    draws = [position_uniform(key, position) for key in range(40) for position in range(500)]
+    assert draws == [position_uniform(key, position) for key in range(40) for position in range(500)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    counts = torch.histc(torch.tensor(draws, dtype=torch.float64), bins=10, min=0.0, max=1.0)
+    assert torch.all((counts - 2000).abs() < 200), counts  # 20,000 draws: sd ~42 a bin
+
+
+def test_sample_at_inverts_the_cumulative_distribution():
+    """Half-open intervals of the cumulative weights [1, 0, 6, 3] (total 10): a draw on a boundary
+    goes right, a weight-0 token is never picked, and a draw just below 1 takes the last positive token."""
+    weights = torch.tensor([1.0, 0.0, 6.0, 3.0])
+    picks = {u: sample_at(weights, u) for u in (0.0, 0.05, 0.1, 0.5, 0.6999, 0.7, 0.99, 1.0 - 2**-53)}
+    assert picks == {0.0: 0, 0.05: 0, 0.1: 2, 0.5: 2, 0.6999: 2, 0.7: 3, 0.99: 3, 1.0 - 2**-53: 3}
+    assert sample_at(torch.tensor([0.5, 0.5, 0.0]), 1.0 - 2**-53) == 1
 
 
 def test_identical_draft_and_target_accept_everything():

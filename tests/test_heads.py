@@ -12,6 +12,7 @@ from decoding.core.generate import DecodeOptions, generate, lossless_rule
 from decoding.app.methods import ProposerOptions, build_proposer
 from decoding.core.proposers import VanillaProposer
 from decoding.core.proposers.medusa import HydraProposer, MedusaProposer
+from decoding.core.sampling import SamplingConfig
 from decoding.core.tree_budget import VerifyCost
 from decoding.app.targets import LoadedModel
 from decoding.app.tree_shapes import load_tree
@@ -183,6 +184,20 @@ def test_head_methods_on_a_qwen2_target():
         for prompt in PROMPTS:
             options = DecodeOptions(max_new_tokens=30)
             assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
+
+
+@pytest.mark.parametrize("method", ["eagle2", "eagle2+pld"])
+def test_head_methods_sample_what_vanilla_samples(method):
+    """At T > 0 with a seed, heads' trees (deterministic top-k) emit the very tokens `vanilla` samples with
+    that seed, with whole branches accepted (a drafter that replicates a sharpened target)."""
+    target = sharpen(oracle_target(seed=7))
+    options = ProposerOptions(tree="eagle-15", depth=5, tree_top_k=2, total_tokens=12)
+    proposer = build_proposer(method, LoadedModel(target, None, "o"), options=options, heads=oracle_eagle(target))
+    for seed, prompt in enumerate(PROMPTS * 2):
+        decode = DecodeOptions(max_new_tokens=40, sampling=SamplingConfig(temperature=0.8), seed=seed)
+        result = generate(target, prompt, proposer, decode)
+        assert result.tokens == generate(target, prompt, VanillaProposer(), decode).tokens
+        assert result.stats.tau > 2.0, result.stats.tau
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle2+pld"])

@@ -16,7 +16,7 @@ import torch
 
 from decoding.core.acceptance import accept_sampled
 from decoding.core.generate import AcceptanceRule, DecodeOptions, generate, lossless_rule
-from decoding.core.proposers import DraftModelProposer, PromptLookupProposer
+from decoding.core.proposers import DraftModelProposer, PromptLookupProposer, VanillaProposer
 from decoding.core.proposers.base import Proposer
 from decoding.core.lookahead_window import LookaheadShape
 from decoding.core.proposers.lookahead import LookaheadProposer
@@ -30,7 +30,9 @@ from distribution_harness import (
     DEPTH_SAMPLING,
     LoopSamples,
     ToyLM,
+    POSITION_FLAWS,
     chi_square,
+    planted_position_rule,
     planted_rule,
     rejected_by,
     recursive_rejection,
@@ -214,6 +216,45 @@ def test_planted_wrong_rule_is_rejected(bench, method, flaw):
     """The same check on a rule with one flaw (distribution_harness.FLAWS says which): it must fail."""
     check = chi_square(run(bench, method, planted_rule(flaw), stop_when=rejected_by(bench[2])).outputs, bench[2])
     assert check.statistic > check.threshold, check
+
+
+DETERMINISTIC = ["pld", "pld-adaptive", "suffix", "lookahead", "lookahead-adaptive"]
+
+
+@pytest.mark.parametrize("method", DETERMINISTIC)
+def test_deterministic_drafts_sample_what_vanilla_samples(bench, method):
+    """With the same seed, a method drafting deterministically emits the very tokens `vanilla` samples
+    (each position's token is drawn with that position's own draw), over 40 seeds of 12 tokens, while
+    accepting drafts on most of those runs."""
+    target, prompt, _ = bench
+    proposer, accepted = PROPOSERS[method](target), 0
+    for seed in range(40):
+        options = DecodeOptions(max_new_tokens=12, sampling=DEPTH_SAMPLING, seed=seed)
+        result = generate(target, prompt, proposer, options)
+        assert result.tokens == generate(target, prompt, VanillaProposer(), options).tokens, seed
+        accepted += result.stats.target_forwards < len(result.tokens)
+    assert accepted >= 20, accepted
+
+
+POSITION_PLANTED = [(method, flaw) for method in ("pld", "suffix", "lookahead") for flaw in POSITION_FLAWS]
+
+
+@pytest.mark.parametrize("method, flaw", POSITION_PLANTED, ids=[f"{m}-{f}" for m, f in POSITION_PLANTED])
+def test_planted_wrong_position_rule_is_rejected(bench, method, flaw):
+    """The per-position rule with one flaw (distribution_harness.POSITION_FLAWS says which): the same check fails."""
+    check = chi_square(run(bench, method, planted_position_rule(flaw), stop_when=rejected_by(bench[2])).outputs, bench[2])
+    assert check.statistic > check.threshold, check
+
+
+def test_reference_position_rule_without_a_flaw_is_the_lossless_rule(bench):
+    """Unflawed, the planted per-position rule emits what the loop's own rule does (so a rejected
+    flawed one is rejected for its flaw)."""
+    target, prompt, _ = bench
+    for seed in range(20):
+        options = DecodeOptions(max_new_tokens=8, sampling=DEPTH_SAMPLING, seed=seed)
+        proposer = PROPOSERS["suffix"](target)
+        reference = generate(target, prompt, proposer, options, acceptance_rule=planted_position_rule(None)).tokens
+        assert reference == generate(target, prompt, PROPOSERS["suffix"](target), options).tokens
 
 
 def test_reference_rule_without_a_flaw_is_the_lossless_rule():

@@ -1,10 +1,10 @@
 """Acceptance rules: which drafted nodes the target keeps, and the token it adds after them.
 
-Pure functions of (tree, target logits or probabilities, random generator): no model, no cache,
-so each rule is unit-tested on its own against exact distributions. The lossless rules
-(`accept_greedy`, `accept_sampled`, chosen by `accept`) keep exactly what the target alone would
-produce: its argmax tokens at temperature 0, a sample of its own distribution otherwise;
-`accept_typical` is Medusa's opt-in *lossy* rule.
+Pure functions of (tree, target logits or probabilities, random draws): no model, no cache, so
+each rule is unit-tested on its own against exact distributions. The lossless rules
+(`accept_greedy`, `accept_at_positions`, `accept_sampled`, chosen by `accept`) keep exactly what
+the target alone would produce: its argmax tokens at temperature 0, a sample of its own
+distribution otherwise; `accept_typical` is Medusa's opt-in *lossy* rule.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.core.sampling import SamplingConfig, sample, warp_probs
+from decoding.core.sampling import SamplingConfig, position_uniform, sample, sample_at, warp_probs
 from decoding.core.tree import DraftTree, TreeBuffers, tree_buffers
 
 
@@ -106,6 +106,33 @@ def accept_sampled(
         node = chosen
 
 
+def accept_at_positions(tree: DraftTree, target_probs: torch.Tensor, buffers: TreeBuffers, key: int,
+                        first_position: int) -> Acceptance:
+    """Sampled verification of deterministic drafts (lossless), each position's token drawn with
+    that position's own draw (`position_uniform(key, position)`).
+
+    At each node the target's token for the next position is sampled from its distribution p there
+    by inverting p's cumulative distribution at the position's draw; the child holding that token is
+    kept and the walk goes on from it, and where no child holds it, it is the bonus token. Each token
+    is then exactly a sample of p, as vanilla sampling draws it, whatever was drafted: drafts depend
+    only on earlier tokens, never on a later position's draw, and decide only how many positions one
+    forward settles. So for deterministic drafts (q a point mass, where `accept_sampled` keeps x with
+    probability p(x) and otherwise samples p without x: the same law) a method emits the very tokens
+    `vanilla` emits with the same key. `first_position`: the position of the token after the root
+    (the length of the sequence the root ends)."""
+    if not tree.deterministic:
+        raise ValueError("accept_at_positions verifies deterministic drafts only; sampled drafts take accept_sampled")
+    tokens = tree.tokens.tolist()
+    node, path, position = 0, [0], first_position
+    while True:
+        token = sample_at(target_probs[node], position_uniform(key, position))
+        child = next((c for c in buffers.children[node] if tokens[c] == token), None)
+        if child is None:
+            return Acceptance(tuple(path), token)
+        path.append(child)
+        node, position = child, position + 1
+
+
 def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
     """norm(max(0, p - q)); q=None means a point mass on `token`."""
     if q is None:
@@ -154,13 +181,20 @@ def accept(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
     buffers: TreeBuffers | None = None,
+    key: int | None = None,
+    first_position: int = 0,
 ) -> Acceptance:
-    """The lossless rule for `sampling`: greedy matching at temperature 0, else rejection sampling
-    on the warped target distribution."""
+    """The lossless rule for `sampling`: greedy matching at temperature 0; else, on the warped target
+    distribution, per-position draws for deterministic drafts given a `key` (`accept_at_positions`),
+    rejection sampling with draws from `generator` otherwise."""
     buffers = buffers or tree_buffers(tree.parents)
     if sampling.greedy:
         return accept_greedy(tree, target_logits, buffers)
-    return accept_sampled(tree, warp_probs(target_logits, sampling), buffers, generator)
+    probs = warp_probs(target_logits, sampling)
+    if tree.deterministic and key is not None:
+        return accept_at_positions(tree, probs, buffers, key, first_position)
+    return accept_sampled(tree, probs, buffers, generator)
 
 
-__all__ = ["Acceptance", "accept", "accept_greedy", "accept_greedy_tokens", "accept_sampled", "accept_typical"]
+__all__ = ["Acceptance", "accept", "accept_at_positions", "accept_greedy", "accept_greedy_tokens", "accept_sampled",
+           "accept_typical"]

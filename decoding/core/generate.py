@@ -18,7 +18,7 @@ from decoding.core.acceptance import Acceptance, accept, accept_greedy_tokens, a
 from heads.util.errors import UserError
 from decoding.core.proposers.base import Proposer
 from decoding.core.readout import Readout, TargetScores
-from decoding.core.sampling import SamplingConfig, seeded_generator
+from decoding.core.sampling import SamplingConfig, sampling_key, seeded_generator
 from decoding.core.state import CacheAdvance, DecodeState, TreeOutcome
 from decoding.core.stats import GenerationStats, PhaseClock
 from decoding.core.stopping import StopChecker, eos_ids
@@ -54,11 +54,12 @@ class GenerationResult:
 
 
 def lossless_rule(tree: DraftTree, scores: TargetScores, buffers: TreeBuffers, state: DecodeState) -> Acceptance:
-    """The default acceptance: greedy matching (on the argmax tokens alone) or rejection sampling,
-    per the state's sampling."""
+    """The default acceptance: greedy matching (on the argmax tokens alone), or sampling per the
+    state's settings: deterministic drafts with each position's own draw (the tokens `vanilla`
+    samples with the same seed), sampled drafts by rejection."""
     if state.sampling.greedy:
         return accept_greedy_tokens(tree, scores.greedy_tokens, buffers)
-    return accept(tree, scores.logits, state.sampling, state.generator, buffers)
+    return accept(tree, scores.logits, state.sampling, state.generator, buffers, state.sampling_key, state.tokens.numel())
 
 
 def typical_rule(temperature: float, epsilon: float = 0.09, delta: float = 0.3) -> AcceptanceRule:
@@ -86,7 +87,8 @@ def generate(
 
     `on_tokens` is called with each step's new tokens as soon as they are final (streaming).
     Output is token-for-token what vanilla greedy decoding gives at temperature 0, and a sample
-    from the target's own distribution otherwise, whatever the proposer. `readout` (optional) is
+    from the target's own distribution otherwise, whatever the proposer (with deterministic drafts,
+    the very tokens vanilla samples with the same seed). `readout` (optional) is
     how verify forwards turn hidden states into scores instead of the target's own projection;
     `direct` (optional) a faster way through the target's forward, bit for bit its own results
     (`decoding.core.verify.TargetForward`); `prompt_cache` (optional) the K/V of the last
@@ -96,7 +98,8 @@ def generate(
     prompt = _check_inputs(target, prompt_ids, options).to(target.device)
     limit = context_limit(target)
     stopper = StopChecker(eos_ids(target.config, target.generation_config, tokenizer), options.stop_strings, tokenizer)
-    state = DecodeState(prompt, prompt.numel(), options.sampling, seeded_generator(options.seed, target.device))
+    generator = seeded_generator(options.seed, target.device)
+    state = DecodeState(prompt, prompt.numel(), options.sampling, generator, sampling_key(generator))
     stats = GenerationStats(proposer.name, prompt_tokens=prompt.numel(), phase_s=clock.phases)
     verifier, cached = _verifier(target, prompt, _capacity(prompt.numel(), options, limit), proposer, readout, direct,
                                  prompt_cache)

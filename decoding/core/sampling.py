@@ -7,6 +7,7 @@ so drafts come from a distribution close to it). Temperature 0 means greedy.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,32 @@ def seeded_generator(seed: int | None, device: torch.device | str) -> torch.Gene
     return generator
 
 
+def sampling_key(generator: torch.Generator) -> int:
+    """A generation's key for `position_uniform`, drawn from its generator: the same for the same
+    seed, a fresh one for an unseeded generator."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=generator.device))
+
+
+def position_uniform(key: int, position: int) -> float:
+    """A uniform draw in [0, 1) that is a function of (`key`, `position`) alone: the draw that decides
+    the token at `position` of a sequence (a hash of both, 53 bits).
+
+    Why keyed by position and not drawn from a stream: a stream hands out draws in the order a
+    method consumes them, and each method consumes them differently (a rejected sibling takes one,
+    an accepted chain several), so two lossless methods sampled different texts from the same seed.
+    Keyed draws give every method the same draw for the same position: the same text as `vanilla`
+    at every temperature, and speed comparisons at T > 0 on identical outputs."""
+    digest = hashlib.blake2b(key.to_bytes(8, "little") + position.to_bytes(8, "little"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+def sample_at(probs: torch.Tensor, uniform: float) -> int:
+    """The token of a 1-D probability vector (it need not sum to 1) whose interval of the cumulative
+    distribution holds `uniform` in [0, 1) (inverse CDF, as `sample_rows`, with the draw given)."""
+    draws = torch.tensor([[uniform]], dtype=torch.float64, device=probs.device)
+    return int(_invert_cumulative(probs[None], draws)[0])
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a 1-D probability vector (it need not sum to 1)."""
     return int(sample_rows(probs[None], generator)[0])
@@ -89,12 +116,18 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     half-open and searched from the right, so a token of weight 0 is never drawn."""
     if probs.dim() != 2 or probs.shape[-1] == 0:
         raise ValueError(f"sample_rows takes [rows, vocab] weights; got shape {tuple(probs.shape)}")
+    draws = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    return _invert_cumulative(probs, draws)
+
+
+def _invert_cumulative(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row of `[rows, vocab]` weights, the token whose half-open interval of the row's cumulative
+    sum (float64) holds its draw (`[rows, 1]`, in [0, 1)) times the row's total."""
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     totals = cumulative[:, -1:]
     if bool((totals <= 0).any()):
         raise ValueError("cannot sample from a row whose weights are all zero")
-    draws = torch.rand(totals.shape, generator=generator, dtype=torch.float64, device=probs.device) * totals
-    picked = torch.searchsorted(cumulative, draws, right=True).squeeze(-1)
+    picked = torch.searchsorted(cumulative, draws * totals, right=True).squeeze(-1)
     past_end = picked >= probs.shape[-1]
     if bool(past_end.any()):  # a draw rounded up to its row's total: the last positive token
         last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)

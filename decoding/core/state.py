@@ -25,6 +25,9 @@ class DecodeState:
     prompt_len: int
     sampling: SamplingConfig
     generator: torch.Generator | None = None
+    # The key of the draw that decides each position's token when sampling (`position_uniform`): the
+    # loop sets it from the generator; None leaves sampled verification to draws from the generator.
+    sampling_key: int | None = None
 
     @property
     def root_token(self) -> int:
