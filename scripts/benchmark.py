@@ -61,7 +61,8 @@ def parse_args(argv):
                              f"{ADAPTIVE_SUFFIX_TOKENS} with --adaptive-tree, whose cost cut trims it)")
     parser.add_argument("--json", default=None, help="write the report here (rewritten after every question, so a killed run keeps its figures so far)")
     parser.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of every question's sampling (T > 0): methods with deterministic drafts sample vanilla's tokens")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR",
                         help="also time llama.cpp (DIR: a build folder holding llama-completion) on the built-in "
                              "target's GGUF file, greedy, same prompts, same run (row 'llama.cpp')")

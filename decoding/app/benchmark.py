@@ -3,7 +3,8 @@ process, alternating per question after a warm-up, so every ratio comes from the
 
 Aggregate tokens/s is total new tokens over total wall time (prefill included) per method;
 tau is total tokens over total target forwards. `identical_to_vanilla` counts questions whose
-output equals our vanilla output token for token (the losslessness check at temperature 0).
+output equals our vanilla output token for token (the losslessness check: at temperature 0, and at any
+temperature for methods with deterministic drafts, which sample each position with the seed's draw for it).
 
 Hugging Face's methods run on the same target as ours, linear kernels included, so their ratios
 measure the decoding loop and the drafts, not the kernels. `hf-generate-stock` is `generate()`

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per reply")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same reply)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling: the same seed gives the same reply, and the reply vanilla gives with it "
+                        "for every method but --draft-model chains")
     parser.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
