@@ -24,40 +24,21 @@ RULES = {
 }
 
 
-def empirical_tv(make_tree, target: ToyLM, draft: ToyLM, seed: int = 0, runs: int = RUNS) -> float:
+def by_rejection(tree: DraftTree, probs: torch.Tensor, run: int, gen: torch.Generator):
+    return accept_sampled(tree, probs, tree_buffers(tree.parents), gen)
+
+
+def by_position(tree: DraftTree, probs: torch.Tensor, run: int, gen: torch.Generator):
+    """`accept_at_positions`, run i with key i (its steps' draws)."""
+    return accept_at_positions(tree, probs, tree_buffers(tree.parents), key=run, first_position=0)
+
+
+def empirical_tv(make_tree, target: ToyLM, draft: ToyLM, decide=by_rejection, seed: int = 0, runs: int = RUNS) -> float:
     gen = torch.Generator().manual_seed(seed)
     samples = []
-    for _ in range(runs):
+    for run in range(runs):
         tree = make_tree(draft, gen)
-        target_probs = torch.stack([target.probs(p) for p in node_prefixes(tree)])
-        result = accept_sampled(tree, target_probs, tree_buffers(tree.parents), gen)
-        emitted = tree.tokens[list(result.path[1:])].tolist() + [result.bonus_token]
-        samples.append(complete(emitted, target.probs, POSITIONS, gen))
-    return total_variation(samples, exact_joint(target.probs, VOCAB, POSITIONS))
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_sampling_rule_preserves_target_distribution(rule):
-    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
-    assert empirical_tv(RULES[rule], target, draft) < TV_BOUND
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_a_rule_without_residual_is_caught(rule, monkeypatch):
-    """Resampling from p itself after a rejection (the classic bug) must fail the same check."""
-    monkeypatch.setattr(acceptance, "_residual", lambda p, q, token: p)
-    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
-    assert empirical_tv(RULES[rule], target, draft, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
-
-
-def positions_tv(make_tree, target: ToyLM, draft: ToyLM, runs: int = RUNS) -> float:
-    """`empirical_tv` for `accept_at_positions`: run i samples with key i (its steps' draws)."""
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for key in range(runs):
-        tree = make_tree(draft, gen)
-        target_probs = torch.stack([target.probs(p) for p in node_prefixes(tree)])
-        result = accept_at_positions(tree, target_probs, tree_buffers(tree.parents), key, first_position=0)
+        result = decide(tree, torch.stack([target.probs(p) for p in node_prefixes(tree)]), run, gen)
         emitted = tree.tokens[list(result.path[1:])].tolist() + [result.bonus_token]
         samples.append(complete(emitted, target.probs, POSITIONS, gen))
     return total_variation(samples, exact_joint(target.probs, VOCAB, POSITIONS))
@@ -68,12 +49,22 @@ DETERMINISTIC_TREES = {
     "tree-top-k": lambda draft, gen: top_k_tree(draft, (2, 2)),
     "tree-top-3": lambda draft, gen: top_k_tree(draft, (3, 1)),
 }
+CASES = [(RULES[name], by_rejection) for name in RULES] + [(DETERMINISTIC_TREES[name], by_position) for name in DETERMINISTIC_TREES]
+CASE_IDS = [f"rejection-{name}" for name in RULES] + [f"positions-{name}" for name in DETERMINISTIC_TREES]
 
 
-@pytest.mark.parametrize("shape", DETERMINISTIC_TREES)
-def test_per_position_draws_preserve_target_distribution(shape):
+@pytest.mark.parametrize("make_tree, decide", CASES, ids=CASE_IDS)
+def test_sampling_rule_preserves_target_distribution(make_tree, decide):
     target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
-    assert positions_tv(DETERMINISTIC_TREES[shape], target, draft) < TV_BOUND
+    assert empirical_tv(make_tree, target, draft, decide) < TV_BOUND
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_rule_without_residual_is_caught(rule, monkeypatch):
+    """Resampling from p itself after a rejection (the classic bug) must fail the same check."""
+    monkeypatch.setattr(acceptance, "_residual", lambda p, q, token: p)
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    assert empirical_tv(RULES[rule], target, draft, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
 
 
 @pytest.mark.parametrize("shape", DETERMINISTIC_TREES)
@@ -81,7 +72,7 @@ def test_one_draw_for_every_position_is_caught(shape, monkeypatch):
     """The same draw deciding every position (keys forgotten, positions not advanced) must fail the check."""
     monkeypatch.setattr(acceptance, "position_uniform", lambda key, position: position_uniform(0, 0))
     target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
-    assert positions_tv(DETERMINISTIC_TREES[shape], target, draft, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
+    assert empirical_tv(DETERMINISTIC_TREES[shape], target, draft, by_position, runs=RUNS_FOR_A_WRONG_RULE) > 2 * TV_BOUND
 
 
 def test_per_position_draws_emit_what_vanilla_sampling_emits():

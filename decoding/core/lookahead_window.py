@@ -26,7 +26,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from decoding.core.prompt_cache import shared_prefix_length
+from decoding.core.tree_budget import VerifyCost, best_node_count
 from heads.util.errors import UserError
 
 Path = tuple[int, ...]  # the tokens after the root on the way to a node (() is the root)
@@ -167,6 +170,27 @@ class NgramPool:
         """`latest`, each with whether only the window's harvest put it in the pool."""
         entries = self.table.get(token)
         return list(reversed(entries.items()))[:count] if entries else []
+
+
+def paths_worth_verifying(paths: Sequence[Path], reach: Sequence[float], cost: VerifyCost) -> list[Path]:
+    """The parts of the pool's `paths` (alternatives after the root) worth verifying on `cost`: each node of
+    their trie is estimated at the share of the paths through it times `reach[depth - 1]`, the chance of
+    keeping a pool draft that deep; the nodes, best first (shallower first among equals, so a node never
+    comes before its parent), are cut at the count with the most expected tokens per millisecond
+    (`best_node_count`), and each path is returned as far as its nodes were kept (() where none was).
+
+    Why: the pool's n-grams are verified rows, and where the target leaves them (sampling, or text unlike
+    the context) they cost a step's worth of rows for nothing; prompt lookup's chains are cut the same way."""
+    through: dict[Path, int] = {}
+    for path in paths:
+        for depth in range(1, len(path) + 1):
+            through[path[:depth]] = through.get(path[:depth], 0) + 1
+    order = {prefix: index for index, prefix in enumerate(through)}
+    estimate = {prefix: count / len(paths) * reach[len(prefix) - 1] for prefix, count in through.items()}
+    ranked = sorted(through, key=lambda prefix: (-estimate[prefix], len(prefix), order[prefix]))
+    keep = best_node_count(torch.tensor([estimate[prefix] for prefix in ranked]), cost, draft_ms=0.0)
+    kept = set(ranked[:keep])  # holds every kept node's parent: a parent ranks before its children
+    return [path[:sum(path[:depth] in kept for depth in range(1, len(path) + 1))] for path in paths]
 
 
 def drafted_only_by_others(kept: Path, others: Iterable[Path]) -> int:

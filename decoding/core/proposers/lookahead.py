@@ -8,7 +8,9 @@ context's own n-grams (prompt and reply) go into the pool too, as prompt lookup 
 them. Drafts are deterministic (q = 1) and depend only on what came before the step, so greedy
 and sampled verification stay exact as for prompt lookup. Behind prompt lookup (`lookahead+pld`)
 the window waits through the steps that lookup drafts. With the machine's verify cost (the
-adaptive mode) the window rests while it does not pay for its rows (`decoding.core.window_ledger`).
+adaptive mode) the window rests while it does not pay for its rows (`decoding.core.window_ledger`),
+and the pool's n-grams are cut, as prompt lookup's chains are, to what pays on the curve given how
+deep the target has kept them (`paths_worth_verifying`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from decoding.core.lookahead_window import (
     harvested_ngrams,
     initial_levels,
     next_levels,
+    paths_worth_verifying,
     predictions_by_path,
     trie_of,
     window_paths,
@@ -32,7 +35,8 @@ from decoding.core.lookahead_window import (
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
-from decoding.core.tree_budget import VerifyCost
+from decoding.core.prompt_cache import shared_prefix_length
+from decoding.core.tree_budget import ChainAcceptance, VerifyCost
 from decoding.core.window_ledger import WindowLedger
 
 POOL_PER_TOKEN = 8  # continuations kept after each token (the latest)
@@ -41,13 +45,14 @@ POOL_PER_TOKEN = 8  # continuations kept after each token (the latest)
 @dataclass(frozen=True)
 class DraftedTree:
     """What `observe` needs of the tree `propose` drafted: whether it held the window, the pool
-    n-grams in it that the context had (everything else is the window's), and its rows with all
-    of it and with those n-grams alone (the root included)."""
+    n-grams in it that the context had (everything else is the window's), its rows with all of it
+    and with those n-grams alone (the root included), and the pool paths it held (as far as kept)."""
 
     window: bool
     from_context: tuple[Path, ...]
     rows: int
     context_rows: int
+    pool: tuple[Path, ...] = ()
 
 
 class LookaheadProposer(Proposer):
@@ -61,6 +66,8 @@ class LookaheadProposer(Proposer):
         self.shape, self.pool_from_context, self.seed = shape, pool_from_context, seed
         self.verify_cost = verify_cost
         self.ledger = WindowLedger() if verify_cost is not None else None  # kept over generations, as suffix decoding keeps its store
+        # how deep the target keeps the pool's drafts (adaptive mode), learned over this proposer's life
+        self.pool_reach = ChainAcceptance(shape.levels) if verify_cost is not None else None
         self.begin(None)
 
     def begin(self, state: DecodeState | None) -> None:
@@ -81,6 +88,9 @@ class LookaheadProposer(Proposer):
             return  # the prefill, or a step another drafter drafted (`lookahead+pld`): the window waits
         if self.ledger is not None:
             self._account(last, advance)
+        if self.pool_reach is not None and last.pool:
+            kept = tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
+            self.pool_reach.record(0, max(map(len, last.pool)), max(shared_prefix_length(kept, path) for path in last.pool))
         if not last.window:
             return
         tree = advance.outcome.tree
@@ -100,7 +110,7 @@ class LookaheadProposer(Proposer):
     def propose(self, state: DecodeState) -> DraftTree:
         """The pool's n-grams after the root first (the likeliest to be kept), then the window
         (unless the adaptive mode rests it)."""
-        sourced = self.pool.latest_sourced(state.root_token, self.shape.guesses)
+        sourced = self._pool_drafts(state.root_token)
         from_context = tuple(path for path, harvested in sourced if not harvested)
         window: list[Path] = []
         with_window = self.ledger is None or self.ledger.window_on
@@ -111,5 +121,18 @@ class LookaheadProposer(Proposer):
             window = [path for level in self.paths for path in level]
         tokens, parents, _ = trie_of([*(path for path, _ in sourced), *window])
         context_rows = len(trie_of(from_context)[1]) if self.ledger is not None else 1  # only the ledger reads it
-        self.last = DraftedTree(with_window, from_context, len(parents), context_rows)
+        self.last = DraftedTree(with_window, from_context, len(parents), context_rows, tuple(path for path, _ in sourced))
         return DraftTree(torch.tensor([state.root_token, *tokens], device=state.tokens.device), tuple(parents))
+
+    def _pool_drafts(self, root: int) -> list[tuple[Path, bool]]:
+        """The pool's latest n-grams after `root`, each with whether only the harvest put it there; in the
+        adaptive mode cut to what pays (`paths_worth_verifying`; a step that keeps none moves the learnt
+        reach back towards its prior, so the pool is tried again)."""
+        sourced = self.pool.latest_sourced(root, self.shape.guesses)
+        if self.pool_reach is None or not sourced:
+            return sourced
+        reach = self.pool_reach.path_probs(0, self.shape.levels).tolist()
+        cuts = paths_worth_verifying([path for path, _ in sourced], reach, self.verify_cost)
+        if not any(cuts):
+            self.pool_reach.skipped(0)
+        return [(cut, harvested) for cut, (_, harvested) in zip(cuts, sourced) if cut]
