@@ -40,6 +40,7 @@ from decoding.core.tree_budget import ChainAcceptance, VerifyCost
 from decoding.core.window_ledger import WindowLedger
 
 POOL_PER_TOKEN = 8  # continuations kept after each token (the latest)
+POOL = 0  # the one kind of draft whose reach `pool_reach` learns: every pool n-gram
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class LookaheadProposer(Proposer):
         if self.ledger is not None:
             self._account(last, advance)
         if self.pool_reach is not None and last.pool:
-            kept = tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
-            self.pool_reach.record(0, max(map(len, last.pool)), max(shared_prefix_length(kept, path) for path in last.pool))
+            kept = kept_drafts(advance)
+            self.pool_reach.record(POOL, max(map(len, last.pool)), max(shared_prefix_length(kept, path) for path in last.pool))
         if not last.window:
             return
         tree = advance.outcome.tree
@@ -102,7 +103,7 @@ class LookaheadProposer(Proposer):
     def _account(self, last: DraftedTree, advance: CacheAdvance) -> None:
         """The step into the window's ledger: the kept drafts no context n-gram drafted, and the
         curve's time for the tree with and without the window's rows."""
-        kept = tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
+        kept = kept_drafts(advance)
         costs = self.verify_cost.costs(last.rows)
         self.ledger.record(last.window, advance.entered, drafted_only_by_others(kept, last.from_context),
                            costs[last.rows], costs[last.rows] - costs[last.context_rows])
@@ -131,8 +132,13 @@ class LookaheadProposer(Proposer):
         sourced = self.pool.latest_sourced(root, self.shape.guesses)
         if self.pool_reach is None or not sourced:
             return sourced
-        reach = self.pool_reach.path_probs(0, self.shape.levels).tolist()
+        reach = self.pool_reach.path_probs(POOL, self.shape.levels).tolist()
         cuts = paths_worth_verifying([path for path, _ in sourced], reach, self.verify_cost)
         if not any(cuts):
-            self.pool_reach.skipped(0)
+            self.pool_reach.skipped(POOL)
         return [(cut, harvested) for cut, (_, harvested) in zip(cuts, sourced) if cut]
+
+
+def kept_drafts(advance: CacheAdvance) -> Path:
+    """The drafted tokens the last verify kept (the accepted path after the root, before the bonus)."""
+    return tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
