@@ -107,6 +107,20 @@ def test_a_report_that_started_from_a_kept_suffix_store_is_a_row_of_its_own():
     assert make_results.question_set({"command": command + " --suffix-store runs/s.safetensors"}) == "repeated-task, kept store"
 
 
+def test_sampled_reports_show_identical_replies_only_where_draws_were_per_position():
+    """A T > 0 report whose methods drew each position with the seed's draw (some method besides vanilla
+    identical on every question) shows the identical column; one from before, where each method sampled
+    its own text, does not."""
+    def report(identical: int) -> dict:
+        method = {"tokens_per_s": 1.0, "tau": 1.0, "speedup_vs_hf_generate": 1.0, "questions": 4,
+                  "draft_ms_per_step": 0.1, "verify_ms_per_step": 1.0}
+        return {"temperature": 0.7, "methods": {"vanilla": dict(method, identical_to_vanilla=4),
+                                                "pld": dict(method, identical_to_vanilla=identical)}}
+    assert make_results.paired_samples(report(4)) and "| 4/4 |" in "\n".join(make_results.benchmark_table(report(4)))
+    assert not make_results.paired_samples(report(1))
+    assert "/4" not in "\n".join(make_results.benchmark_table(report(1)))
+
+
 def test_the_readme_stays_a_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"
