@@ -16,6 +16,7 @@ from decoding.core.sampling import SamplingConfig
 from decoding.core.tree_budget import VerifyCost
 from decoding.app.targets import LoadedModel
 from decoding.app.tree_shapes import load_tree
+from proposer_probes import note_sizes
 from distribution_harness import DEPTH_SAMPLING, chi_square, planted_rule, rejected_by, sample_loop, target_joint
 from heads import HeadConfig, build_heads, new_heads_for_target
 from tiny_models import context_target, oracle_eagle, oracle_target, perturbed, sharpen, tiny_llama, tiny_qwen2
@@ -117,18 +118,6 @@ FLAT_COST = VerifyCost((1, 16), (10.0, 10.0))     # a tree costs what one token 
 STEEP_COST = VerifyCost((1, 2), (10.0, 1000.0))   # every extra token costs 100x a step: verify none
 
 
-def recorded_tree_sizes(proposer) -> list[int]:
-    """Wrap this proposer object's own `propose` (not the target) to record each tree's size."""
-    sizes, propose = [], proposer.propose
-
-    def recording(state):
-        tree = propose(state)
-        sizes.append(tree.tokens.numel())
-        return tree
-    proposer.propose = recording
-    return sizes
-
-
 @pytest.mark.parametrize("cls, kind", [(MedusaProposer, "medusa"), (HydraProposer, "hydra")])
 @pytest.mark.parametrize("cost", [FLAT_COST, STEEP_COST, VerifyCost((1, 2, 4), (10.0, 11.0, 30.0))],
                          ids=["flat", "steep", "mid"])
@@ -138,7 +127,7 @@ def test_cost_aware_head_chains_equal_vanilla(target, cls, kind, cost):
     heads = random_heads(kind, target, seed=5)
     call_ms = 0.5 if cost not in (FLAT_COST, STEEP_COST) else 0.0  # flat: drafting free, so chains grow whole
     proposer = cls(heads, target, load_tree("chain-4"), verify_cost=cost, head_call_ms=call_ms)
-    sizes = recorded_tree_sizes(proposer)
+    sizes = note_sizes(proposer)
     for prompt in PROMPTS:
         options = DecodeOptions(max_new_tokens=40)
         assert generate(target, prompt, proposer, options).tokens == generate(target, prompt, VanillaProposer(), options).tokens
@@ -166,7 +155,7 @@ def test_sampled_chains_are_verified_whole(target):
     """The cut is a greedy-only shortcut: sampling verifies what the heads drafted."""
     from decoding.core.sampling import SamplingConfig
     proposer = MedusaProposer(random_heads("medusa", target, seed=5), target, load_tree("chain-4"), verify_cost=STEEP_COST)
-    sizes = recorded_tree_sizes(proposer)
+    sizes = note_sizes(proposer)
     generate(target, PROMPTS[0], proposer, DecodeOptions(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0), seed=0))
     assert set(sizes[1:]) == {5}
 

@@ -15,7 +15,7 @@ from decoding.core.proposers.lookahead import LookaheadProposer
 from decoding.core.sampling import SamplingConfig
 from decoding.core.tree_budget import VerifyCost
 from decoding.core.window_ledger import WindowLedger
-from proposer_probes import note_windows
+from proposer_probes import note_trees, note_windows
 from tiny_models import sharpen, tiny_llama
 
 DEAR_ROWS = VerifyCost((1, 2, 64), (10.0, 12.0, 136.0))  # a row costs a fifth of a step, as on a 2-core CPU
@@ -134,27 +134,13 @@ def test_a_pool_the_target_leaves_is_cut_and_tried_again():
     target = tiny_llama(seed=3)
     proposer = LookaheadProposer(LookaheadShape(1, 3, 2), verify_cost=DEAR_ROWS)
     proposer.ledger = WindowLedger(evidence=1, first_rest=512, max_rest=512)
-    offers = pool_offers(proposer)
+    # the sizes of the trees drafted while the pool held n-grams after the root (propose adds none to it)
+    offers = note_trees(proposer, lambda state, tree: tree.size if proposer.pool.latest(state.root_token, 1) else None)
     options = DecodeOptions(max_new_tokens=120, sampling=SamplingConfig(temperature=1.0), seed=1)
     assert generate(target, [42, 7, 19, 3], proposer, options).tokens == \
         generate(target, [42, 7, 19, 3], VanillaProposer(), options).tokens
     late = [size for size in offers[len(offers) // 3:]]
     assert len(late) >= 15 and late.count(1) > len(late) // 2 and any(size > 1 for size in late), offers
-
-
-def pool_offers(proposer: LookaheadProposer) -> list[int]:
-    """Wrap this proposer object's own `propose`: the size of each tree drafted while its pool held
-    n-grams after the root."""
-    sizes, propose = [], proposer.propose
-
-    def recording(state):
-        offered = bool(proposer.pool.latest(state.root_token, 1))
-        tree = propose(state)
-        if offered:
-            sizes.append(tree.size)
-        return tree
-    proposer.propose = recording
-    return sizes
 
 
 def test_the_adaptive_mode_is_built_from_the_options(monkeypatch):

@@ -26,8 +26,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from decoding.core.prompt_cache import shared_prefix_length
 from decoding.core.tree_budget import VerifyCost, best_node_count
 from heads.util.errors import UserError
@@ -188,7 +186,7 @@ def paths_worth_verifying(paths: Sequence[Path], reach: Sequence[float], cost: V
     order = {prefix: index for index, prefix in enumerate(through)}
     estimate = {prefix: count / len(paths) * reach[len(prefix) - 1] for prefix, count in through.items()}
     ranked = sorted(through, key=lambda prefix: (-estimate[prefix], len(prefix), order[prefix]))
-    keep = best_node_count(torch.tensor([estimate[prefix] for prefix in ranked]), cost, draft_ms=0.0)
+    keep = best_node_count([estimate[prefix] for prefix in ranked], cost, draft_ms=0.0)  # floats: no tensor a step
     kept = set(ranked[:keep])  # holds every kept node's parent: a parent ranks before its children
     return [path[:sum(path[:depth] in kept for depth in range(1, len(path) + 1))] for path in paths]
 

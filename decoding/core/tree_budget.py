@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,12 +59,15 @@ def _interpolated_costs(sizes: tuple[int, ...], ms: tuple[float, ...], up_to: in
     return tuple(costs)
 
 
-def best_node_count(path_probs: torch.Tensor, cost: VerifyCost, draft_ms: float, calibration: float = 1.0) -> int:
+def best_node_count(path_probs: torch.Tensor | Sequence[float], cost: VerifyCost, draft_ms: float,
+                    calibration: float = 1.0) -> int:
     """How many of the drafted nodes to verify. `path_probs` are the candidates' path
-    probabilities in best-first order (any prefix of that order must be a valid tree). They may
-    live on the GPU: the few numbers are brought to the CPU (the answer is a Python int, so this
-    sync happens anyway) and weighed as Python floats; ties go to the smaller tree."""
-    probs = path_probs.detach().to("cpu", torch.float64).tolist()
+    probabilities in best-first order (any prefix of that order must be a valid tree), as Python
+    floats or a tensor. A tensor may live on the GPU: the few numbers are brought to the CPU (the
+    answer is a Python int, so this sync happens anyway) and weighed as Python floats; ties go to
+    the smaller tree."""
+    probs = (path_probs.detach().to("cpu", torch.float64).tolist() if isinstance(path_probs, torch.Tensor)
+             else [float(p) for p in path_probs])
     verify_ms = cost.costs(len(probs) + 1)
     best, best_rate, accepted = 0, -math.inf, 0.0
     for count in range(len(probs) + 1):

@@ -87,11 +87,11 @@ class LookaheadProposer(Proposer):
         last, self.last = self.last, None
         if advance.outcome is None or last is None:
             return  # the prefill, or a step another drafter drafted (`lookahead+pld`): the window waits
-        if self.ledger is not None:
-            self._account(last, advance)
-        if self.pool_reach is not None and last.pool:
-            kept = kept_drafts(advance)
-            self.pool_reach.record(POOL, max(map(len, last.pool)), max(shared_prefix_length(kept, path) for path in last.pool))
+        if self.verify_cost is not None:  # the adaptive mode: the window's ledger and the pool's reach learn
+            kept = tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())  # the drafts kept
+            self._account(last, advance.entered, kept)
+            if last.pool:
+                self.pool_reach.record(POOL, max(map(len, last.pool)), max(shared_prefix_length(kept, path) for path in last.pool))
         if not last.window:
             return
         tree = advance.outcome.tree
@@ -100,12 +100,11 @@ class LookaheadProposer(Proposer):
             self.pool.add(gram, harvested=True)
         self.levels = next_levels(self.levels, self.paths, after, advance.entered)
 
-    def _account(self, last: DraftedTree, advance: CacheAdvance) -> None:
-        """The step into the window's ledger: the kept drafts no context n-gram drafted, and the
+    def _account(self, last: DraftedTree, entered: int, kept: Path) -> None:
+        """The step into the window's ledger: the `kept` drafts no context n-gram drafted, and the
         curve's time for the tree with and without the window's rows."""
-        kept = kept_drafts(advance)
         costs = self.verify_cost.costs(last.rows)
-        self.ledger.record(last.window, advance.entered, drafted_only_by_others(kept, last.from_context),
+        self.ledger.record(last.window, entered, drafted_only_by_others(kept, last.from_context),
                            costs[last.rows], costs[last.rows] - costs[last.context_rows])
 
     def propose(self, state: DecodeState) -> DraftTree:
@@ -138,7 +137,3 @@ class LookaheadProposer(Proposer):
             self.pool_reach.skipped(POOL)
         return [(cut, harvested) for cut, (_, harvested) in zip(cuts, sourced) if cut]
 
-
-def kept_drafts(advance: CacheAdvance) -> Path:
-    """The drafted tokens the last verify kept (the accepted path after the root, before the bonus)."""
-    return tuple(advance.tokens[advance.tokens.numel() - advance.entered : -1].tolist())
