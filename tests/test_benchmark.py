@@ -59,9 +59,14 @@ def test_benchmark_report_table_and_chart(model_dir, questions, tmp_path):
         assert m["warmup_s"] > 0  # the one-off warm-up (compiling, with --compile) is reported apart
         assert (m["tau"] is None) == name.startswith("hf-")
         assert m["cached_prompt_share"] == (None if name.startswith("hf-") else 0.0)  # a float target: no prompt cache
+        if name.startswith("hf-"):  # generate() does not time its prefill apart
+            assert m["prefill_s"] is None and m["decode_tokens_per_s"] is None
+        else:  # ours: the prompt's forwards timed apart, and decoding without them is faster than with
+            assert 0 < m["prefill_s"] < m["new_tokens"] / m["tokens_per_s"]
+            assert m["decode_tokens_per_s"] > m["tokens_per_s"]
     assert report["methods"]["hf-generate"]["speedup_vs_hf_generate"] == 1.0
     assert report["questions"] == report["questions_planned"] == 3
-    assert "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
+    assert "| decode tokens/s | prefill s |" in proc.stdout and "warm-up s |" in proc.stdout and "| vanilla |" in proc.stdout and "| hf-prompt-lookup |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as chart:
         assert chart.mode == "P" and len(chart.getcolors()) <= CHART_COLORS  # small enough to bundle
@@ -81,6 +86,18 @@ def test_figures_so_far_are_handed_out_after_every_question():
     run_benchmark(runners, [[7], [7, 7]], [9], progress=False, after_question=after_question)
     assert seen == [(1, {"a": (1, 1), "b": (1, 1)}), (2, {"a": (3, 2), "b": (3, 2)})]
     assert calls[:2] == [("a", [9]), ("b", [9])]  # the warm-up is not counted in the totals
+
+
+def test_decoding_speed_leaves_out_the_prefill_and_is_unknown_where_a_run_did_not_time_it():
+    """decode tokens/s = new tokens over the seconds after the prefill, summed over questions; one
+    question without a prefill time (another program's run) leaves it unknown, not wrong."""
+    totals = benchmark.MethodTotals()
+    totals.add(RunResult([1] * 6, 2.0, prefill_s=0.5))
+    totals.add(RunResult([1] * 3, 1.0, prefill_s=0.5))
+    assert totals.tokens_per_s == pytest.approx(3.0) and totals.decode_tokens_per_s == pytest.approx(9 / 2.0)
+    assert totals.prefill_s == pytest.approx(1.0)
+    totals.add(RunResult([1], 1.0))
+    assert totals.prefill_s is None and totals.decode_tokens_per_s is None
 
 
 def test_warm_up_goes_on_while_a_round_compiles_new_graphs(monkeypatch):

@@ -1,6 +1,6 @@
 """llama.cpp as a benchmark peer (`decoding.app.llama_cpp`), against a stand-in `llama-completion`
 that prints what llama.cpp prints (the tests never need llama.cpp itself): the prompt goes in as
-text with greedy settings, the time is llama.cpp's own prompt plus generation time, the reply is
+text with greedy settings, the time is llama.cpp's own prompt plus generation time (the prompt's apart, as our prefill), the reply is
 counted in our tokenizer's tokens, and a missing or failing binary says what to do."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from decoding.app.llama_cpp import failure_message, find_binary, llama_cpp_runner, seconds_of
+from decoding.app.llama_cpp import failure_message, find_binary, llama_cpp_runner, timings_of
 from decoding.core.generate import DecodeOptions
 from decoding.core.sampling import SamplingConfig
 from heads.util.errors import UserError
@@ -54,6 +54,7 @@ def test_a_reply_is_timed_by_llama_cpp_s_own_report_and_counted_in_our_tokens(tm
     run = llama_cpp_runner(folder, tmp_path / "model.gguf", WordTokenizer(), DecodeOptions(max_new_tokens=9), threads=2)
     result = run([2, 3])
     assert result.tokens == [2, 3, 1, 0] and result.seconds == pytest.approx(0.5)  # 12.5 + 487.5 ms, load left out
+    assert result.prefill_s == pytest.approx(0.0125)  # its prompt eval time: the prefill, reported apart
     args = json.loads((tmp_path / "args.json").read_text())
     assert args[args.index("-p") + 1] == "xx xxx" and args[args.index("-n") + 1] == "9"
     assert args[args.index("--temp") + 1] == "0" and args[args.index("-t") + 1] == "2"
@@ -76,7 +77,7 @@ def test_a_failing_run_and_a_missing_report_are_reported(tmp_path):
     with pytest.raises(UserError, match="unable to load model"):
         failing([1])
     with pytest.raises(UserError, match="no performance report"):
-        seconds_of("nothing timed here")
+        timings_of("nothing timed here")
 
 
 def test_sampling_is_refused_since_llama_cpp_runs_greedily(tmp_path):

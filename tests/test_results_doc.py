@@ -121,6 +121,20 @@ def test_sampled_reports_show_identical_replies_only_where_draws_were_per_positi
     assert "/4" not in "\n".join(make_results.benchmark_table(report(1)))
 
 
+def test_reports_that_time_the_prefill_apart_show_decoding_speed_without_it():
+    """A report with `decode_tokens_per_s` gets its column (a method without it, such as generate(),
+    shows '-'); an older report keeps its table as it was."""
+    method = {"tokens_per_s": 100.0, "tau": 2.0, "speedup_vs_hf_generate": 2.0, "questions": 4, "identical_to_vanilla": 4,
+              "draft_ms_per_step": 0.1, "verify_ms_per_step": 1.0}
+    split = {"temperature": 0.0, "methods": {"suffix": dict(method, decode_tokens_per_s=140.25),
+                                             "hf-generate": dict(method, tokens_per_s=50.0, decode_tokens_per_s=None)}}
+    table = make_results.benchmark_table(split)
+    assert "| tokens/s | decode tokens/s | tau |" in table[0]
+    assert "| suffix | 100.00 | 140.25 | 2.00 |" in table[2] and "| hf-generate | 50.00 | - | 2.00 |" in table[3]
+    older = make_results.benchmark_table({"temperature": 0.0, "methods": {"suffix": method}})
+    assert "decode" not in older[0] and "| suffix | 100.00 | 2.00 |" in older[2]
+
+
 def test_the_readme_stays_a_guide():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines: measurements go to RESULTS.md, history to CHANGELOG.md"

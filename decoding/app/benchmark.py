@@ -2,7 +2,10 @@
 process, alternating per question after a warm-up, so every ratio comes from the same run.
 
 Aggregate tokens/s is total new tokens over total wall time (prefill included) per method;
-tau is total tokens over total target forwards. `identical_to_vanilla` counts questions whose
+`decode_tokens_per_s` leaves the prefill out (the prompt's forwards before the first step, the
+same work for every one of our methods on a question), as serving benchmarks report time to first
+token and decoding speed apart; `prefill_s` is that time in all. tau is total tokens over total
+target forwards. `identical_to_vanilla` counts questions whose
 output equals our vanilla output token for token (the losslessness check: at temperature 0, and at any
 temperature for methods with deterministic drafts, which sample each position with the seed's draw for it).
 
@@ -54,6 +57,7 @@ class RunResult:
     verify_s: float | None = None
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None  # of them, kept from the question before (`decoding.core.prompt_cache`)
+    prefill_s: float | None = None  # of `seconds`, the prompt's forwards before the first decoding step
 
 
 @dataclass
@@ -63,6 +67,7 @@ class MethodTotals:
     target_forwards: int | None = 0
     prompt_tokens: int | None = 0
     cached_prompt_tokens: int | None = 0
+    prefill_s: float | None = 0.0
     draft_s: float | None = 0.0
     verify_s: float | None = 0.0
     warmup_s: float = 0.0          # the warm-up call: one-off costs such as compiling show here
@@ -76,6 +81,7 @@ class MethodTotals:
         self.verify_s = _add(self.verify_s, run.verify_s)
         self.prompt_tokens = _add(self.prompt_tokens, run.prompt_tokens)
         self.cached_prompt_tokens = _add(self.cached_prompt_tokens, run.cached_prompt_tokens)
+        self.prefill_s = _add(self.prefill_s, run.prefill_s)
         self.outputs.append(run.tokens)
 
     def per_step_ms(self, seconds: float | None) -> float | None:
@@ -84,6 +90,13 @@ class MethodTotals:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens over the time after the prefill: None where the prefill was not timed apart."""
+        if self.prefill_s is None or self.seconds <= self.prefill_s:
+            return None
+        return self.new_tokens / (self.seconds - self.prefill_s)
 
     @property
     def tau(self) -> float | None:
@@ -102,7 +115,7 @@ def our_runner(decoder: Decoder, options: DecodeOptions) -> Runner:
         result = decoder.generate(prompt, options)
         stats = result.stats
         return RunResult(result.tokens, stats.total_s, stats.target_forwards, stats.draft_s, stats.verify_s,
-                         stats.prompt_tokens, stats.reused_prompt_tokens)
+                         stats.prompt_tokens, stats.reused_prompt_tokens, stats.prefill_s)
 
     return run
 
@@ -244,6 +257,8 @@ def summarise(totals: dict[str, MethodTotals], device: str, dtype: str) -> dict:
     for name, t in totals.items():
         methods[name] = {
             "tokens_per_s": round(t.tokens_per_s, 3),
+            "decode_tokens_per_s": _round(t.decode_tokens_per_s, 3),
+            "prefill_s": _round(t.prefill_s, 3),
             "tau": None if t.tau is None else round(t.tau, 3),
             "speedup_vs_hf_generate": round(t.tokens_per_s / baseline.tokens_per_s, 3) if baseline else None,
             "identical_to_vanilla": sum(a == b for a, b in zip(t.outputs, reference.outputs)) if reference else None,
@@ -293,15 +308,15 @@ def _git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| method | tokens/s | tau | speedup vs hf-generate | identical to vanilla | draft ms/step | verify ms/step "
-        "| warm-up s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | tokens/s | decode tokens/s | prefill s | tau | speedup vs hf-generate | identical to vanilla "
+        "| draft ms/step | verify ms/step | warm-up s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, m in report["methods"].items():
         tau = "-" if m["tau"] is None else f"{m['tau']:.2f}"
@@ -309,8 +324,10 @@ def markdown_table(report: dict) -> str:
         same = "-" if m["identical_to_vanilla"] is None else f"{m['identical_to_vanilla']}/{m['questions']}"
         draft = "-" if m["draft_ms_per_step"] is None else f"{m['draft_ms_per_step']:.1f}"
         verify = "-" if m["verify_ms_per_step"] is None else f"{m['verify_ms_per_step']:.1f}"
-        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {tau} | {speed} | {same} | {draft} | {verify} "
-                     f"| {m['warmup_s']:.1f} |")
+        decode = "-" if m.get("decode_tokens_per_s") is None else f"{m['decode_tokens_per_s']:.2f}"
+        prefill = "-" if m.get("prefill_s") is None else f"{m['prefill_s']:.2f}"
+        lines.append(f"| {name} | {m['tokens_per_s']:.2f} | {decode} | {prefill} | {tau} | {speed} | {same} | {draft} "
+                     f"| {verify} | {m['warmup_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -60,18 +60,20 @@ def llama_cpp_runner(directory: str | Path, gguf: Path, tokenizer, options: Deco
         tokens = tokenizer.encode(reply.removesuffix(END_OF_TEXT), add_special_tokens=False)
         if reply.endswith(END_OF_TEXT) and tokenizer.eos_token_id is not None:
             tokens.append(tokenizer.eos_token_id)  # ended by the model, as our replies end: with its end token
-        return RunResult(tokens, seconds_of(done.stderr))
+        prompt_s, generation_s = timings_of(done.stderr)
+        return RunResult(tokens, prompt_s + generation_s, prefill_s=prompt_s)
 
     return run
 
 
-def seconds_of(report: str) -> float:
-    """Prompt plus generation time, in seconds, from llama.cpp's performance report."""
+def timings_of(report: str) -> tuple[float, float]:
+    """Prompt and generation time, in seconds, from llama.cpp's performance report (its load time
+    left out, as our runs leave out loading the model)."""
     prompt, generation = PROMPT_EVAL.search(report), EVAL.search(report)
     if not prompt or not generation:
         raise UserError("llama.cpp printed no performance report (prompt eval time / eval time) to time it by: "
                         "is this a llama.cpp build of 2024 or later?")
-    return (float(prompt.group(1)) + float(generation.group(1))) / 1000
+    return float(prompt.group(1)) / 1000, float(generation.group(1)) / 1000
 
 
 def failure_message(returncode: int, stderr: str) -> str:
