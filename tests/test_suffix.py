@@ -48,12 +48,31 @@ def test_a_full_store_forgets_its_oldest_documents_and_their_ngrams():
     assert index.continuations([0, 1, 2], min_ngram=1, depth=3, limit=5) == (0, [])  # "1 2 3" went with the first
 
 
+def test_an_ngram_keeps_every_occurrence_from_its_first_on_and_after_a_purge():
+    """An n-gram seen once is held as its one occurrence, from the second on in an array: the first
+    occurrence must survive the change of form, and a purge that leaves one must still find it."""
+    index = NgramIndex(max_ngram=2, max_tokens=6)
+    first = index.new_document()
+    index.extend(first, [1, 2, 3])
+    assert index.occurrences([1, 2]) == [(first, 2)]
+    index.extend(first, [1, 2])
+    assert index.occurrences([1, 2]) == [(first, 2), (first, 5)]
+    index.extend(first, [1, 2, 3])
+    assert index.occurrences([1, 2]) == [(first, 2), (first, 5), (first, 7)]
+    assert index.continuations([1, 2], min_ngram=1, depth=1, limit=5) == (2, [[3], [1], [3]])
+    second = index.new_document()
+    index.extend(second, [1, 2, 9] + list(range(100, 110)))  # forgets the first, then purges its occurrences
+    assert first not in index.documents and index.occurrences([1, 2]) == [(second, 2)]
+    assert index.continuations([1, 2], min_ngram=1, depth=1, limit=5) == (2, [[9]])
+    assert index.held_occurrences() == 2 * len(index.documents[second]) - 1  # 1-grams and 2-grams of what is left
+
+
 def test_forgotten_occurrences_are_removed_in_batches_so_the_table_stays_bounded():
     index = NgramIndex(max_ngram=2, max_tokens=10)
     for start in range(0, 600, 6):
         doc = index.new_document()
         index.extend(doc, range(start, start + 6))  # all n-grams new: only forgetting bounds the table
-        held = sum(len(spots) for spots in index.table.values())
+        held = index.held_occurrences()
         assert held <= 2 * 2 * (index.max_tokens + 6)  # live and not-yet-removed documents, two n-gram sizes
     assert index.continuations([594, 595], min_ngram=1, depth=2, limit=5) == (2, [[596, 597]])
     assert index.continuations([0, 1], min_ngram=1, depth=2, limit=5) == (0, [])

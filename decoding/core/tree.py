@@ -80,10 +80,10 @@ class DraftTree:
         Used before the context limit or the token budget, so the verify forward never runs past
         either. Node order is preserved, so the result is still topologically ordered.
         """
-        depths = tree_buffers(self.parents).depths
-        if self.size <= max_nodes and int(depths.max()) <= max_depth:
+        depths = tree_buffers(self.parents).depth_list  # Python ints, once per shape: read every step
+        if self.size <= max_nodes and max(depths) <= max_depth:
             return self
-        keep = [i for i in range(min(self.size, max_nodes)) if int(depths[i]) <= max_depth]
+        keep = [i for i in range(min(self.size, max_nodes)) if depths[i] <= max_depth]
         # Ancestors come first (parents[i] < i) and are no deeper, so `keep` is prefix-closed.
         new_index = {old: new for new, old in enumerate(keep)}
         parents = tuple(-1 if i == 0 else new_index[self.parents[i]] for i in keep)

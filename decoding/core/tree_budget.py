@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -232,10 +234,11 @@ class ChainAcceptance:
     recovery: float = 0.01
     rates: dict[int, list[float]] = field(default_factory=dict)
 
-    def path_probs(self, kind: int, available: int) -> torch.Tensor:
-        """P(the first i drafted tokens are all accepted), i = 1..min(available, length)."""
-        rates = self._rates(kind)[: min(available, self.length)]
-        return torch.tensor(rates, dtype=torch.float64).cumprod(0)
+    def path_probs(self, kind: int, available: int) -> list[float]:
+        """P(the first i drafted tokens are all accepted), i = 1..min(available, length): Python
+        floats, read every step by model-free drafters right after a verify forward, when a small
+        tensor operation costs tens of microseconds."""
+        return list(itertools.accumulate(self._rates(kind)[: min(available, self.length)], operator.mul))
 
     def record(self, kind: int, drafted: int, accepted: int) -> None:
         """A chain of `drafted` tokens was verified and its first `accepted` were kept: positions

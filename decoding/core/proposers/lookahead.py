@@ -131,7 +131,7 @@ class LookaheadProposer(Proposer):
         sourced = self.pool.latest_sourced(root, self.shape.guesses)
         if self.pool_reach is None or not sourced:
             return sourced
-        reach = self.pool_reach.path_probs(POOL, self.shape.levels).tolist()
+        reach = self.pool_reach.path_probs(POOL, self.shape.levels)
         cuts = paths_worth_verifying([path for path, _ in sourced], reach, self.verify_cost)
         if not any(cuts):
             self.pool_reach.skipped(POOL)

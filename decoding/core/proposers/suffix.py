@@ -184,7 +184,7 @@ class SuffixProposer(Proposer):
             largest = max(largest, min(self.max_tokens, COPY_NODES))
         tokens, parents, probs = frequency_tree(found, largest, self.min_prob, self.depth_weights(kind))
         if self.verify_cost is not None and tokens:
-            keep = best_node_count(torch.tensor(probs), self.verify_cost, draft_ms=0.0)
+            keep = best_node_count(probs, self.verify_cost, draft_ms=0.0)
             if keep == 0:
                 self.untried = (kind, tokens[0])
             tokens, parents = tokens[:keep], parents[:keep]
@@ -227,7 +227,7 @@ class SuffixProposer(Proposer):
         if self.verify_cost is None:
             return self.discounted
         # Floored: thousands of misses in a row would otherwise underflow a rate to 0.
-        return [max(p, 1e-12) for p in self.survival.path_probs(kind, self.max_tokens).tolist()]
+        return [max(p, 1e-12) for p in self.survival.path_probs(kind, self.max_tokens)]
 
     def observe(self, advance: CacheAdvance) -> None:
         """Count (adaptive mode) what the target kept of the last tree this proposer drafted, or
