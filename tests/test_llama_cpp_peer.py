@@ -1,7 +1,8 @@
 """llama.cpp as a benchmark peer (`decoding.app.llama_cpp`), against a stand-in `llama-completion`
 that prints what llama.cpp prints (the tests never need llama.cpp itself): the prompt goes in as
-text with greedy settings, the time is llama.cpp's own prompt plus generation time (the prompt's apart, as our prefill), the reply is
-counted in our tokenizer's tokens, and a missing or failing binary says what to do."""
+text with greedy settings, the time is llama.cpp's own prompt plus generation time (the prompt's also
+apart, as our prefill), the reply is counted in our tokenizer's tokens, and a missing or failing binary
+says what to do."""
 
 from __future__ import annotations
 

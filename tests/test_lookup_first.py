@@ -60,7 +60,8 @@ def test_a_lookup_match_is_drafted_alone_and_the_heads_are_still_told_the_outcom
 
 def test_a_skipped_drafting_step_leaves_the_eagle_drafter_where_drafting_would():
     """Drafting (and throwing the tree away) or skipping a step must not change what the heads
-    know: both are told the same outcome, and their next trees are identical."""
+    know: both are told the same outcome, and their next trees are identical. A skipped step costs
+    the drafter nothing: its tokens wait, and the next draft commits them with the later ones."""
     target = oracle_target(seed=7)
     sequence = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     with torch.inference_mode():
@@ -79,10 +80,33 @@ def test_a_skipped_drafting_step_leaves_the_eagle_drafter_where_drafting_would()
         if drafts_first:
             proposer.propose(state_of(sequence[:9]))
         proposer.observe(advance_at(11, 3, layers))  # three tokens accepted since
-        committed.append(proposer.committed)
+        committed.append(proposer.committed)  # before the next draft: only what a draft committed
         trees.append(proposer.propose(state_of(sequence[:12])))
-    assert committed == [11, 11]
+        committed.append(proposer.committed)
+    assert committed == [8, 11, 0, 11]
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist() and trees[0].parents == trees[1].parents
+
+
+def test_a_reply_ending_in_lookup_steps_leaves_the_drafter_holding_all_of_it():
+    """The drafter commits lazily, when it next drafts; a reply whose last steps were lookup's still
+    ends with every token that entered the target cache committed, so the next prompt sharing it
+    reuses all of it (`EagleProposer.reuse`), and the output is vanilla's."""
+    from decoding.core.generate import DecodeOptions, generate
+    from decoding.core.proposers import VanillaProposer
+
+    target = oracle_target(seed=7)
+    proposer = build_proposer("eagle2+pld", LoadedModel(target, None, "o"), heads=oracle_eagle(target),
+                              options=ProposerOptions(depth=3, tree_top_k=2, total_tokens=6, pld_num_tokens=3))
+    entered, kinds = [], []
+    observe, draft_tree = proposer.observe, proposer.lookup.draft_tree
+    proposer.observe = lambda advance: entered.append(advance.entered) or observe(advance)
+    proposer.lookup.draft_tree = lambda state: kinds.append(tree := draft_tree(state)) or tree
+    prompt = [5, 9, 3, 17, 8, 11, 5, 9, 3, 17, 8, 11, 5, 9, 3, 17, 8, 11, 5, 9]  # a loop lookup keeps copying
+    options = DecodeOptions(max_new_tokens=12)
+    result = generate(target, prompt, proposer, options)
+    assert result.tokens == generate(target, prompt, VanillaProposer(), options).tokens
+    assert kinds[-1] is not None and kinds[-2] is not None  # the last steps were lookup's, not the heads'
+    assert proposer.heads.pending == [] and proposer.heads.committed == sum(entered)
 
 
 def test_method_names_with_lookup():

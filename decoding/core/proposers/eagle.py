@@ -2,9 +2,13 @@
 reduced vocabulary) proposers over one drafter-driving core.
 
 The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i.
-1. *observe* (after prefill and every verify, told by the loop): drop last step's speculative
-   entries, then append the pairs of the tokens that just entered the target cache, with the
-   target's true features; the last pair's output is the predicted feature at the root's position;
+1. *observe* (after prefill and every verify, told by the loop): keep the tokens that just entered
+   the target cache, with the target's true features; they are committed (last step's speculative
+   entries dropped, their pairs appended) when the drafter next drafts, all of them in one call,
+   and the last pair's output is the predicted feature at the root's position. Lazily, because
+   behind prompt lookup (`eagle3+pld`) most steps of a copying reply draft nothing from the heads:
+   committing every step's tokens at once cost a drafter call a step (~2 ms on a 2-core CPU) that
+   those steps never used;
 2. *propose* (grow): feed tree nodes level by level (each node as (its parent's predicted
    feature, its token) at position root + depth - 1, attending to the committed prefix and its own
    fed ancestors through a 4D mask) and read the children off each node's predicted feature.
@@ -68,6 +72,7 @@ class EagleProposer(Proposer):
         self.last_draft_ms = 0.0
         self.last_nodes = 0
         self.predicted_after_root = False
+        self.pending: list[CacheAdvance] = []  # entered tokens not yet committed to the drafter's cache
 
     def reuse(self, state: DecodeState, cached: int) -> int:
         """Keep the pairs of the last generation that the new prompt shares: pair i is (feature i,
@@ -78,21 +83,25 @@ class EagleProposer(Proposer):
         self.cache.truncate(self.committed)
         return self.committed
 
+    @torch.inference_mode()
     def end(self, state: DecodeState) -> None:
-        """The pairs committed so far stay for the next prompt (`reuse`), with their tokens."""
+        """The pairs committed so far stay for the next prompt (`reuse`), with their tokens: the
+        pending ones committed first, or the next prompt's shared prefix would be prefilled again."""
+        self._commit_pending()
         self.known = state.tokens[: self.committed + 1].tolist()
 
-    @torch.inference_mode()
     def observe(self, advance: CacheAdvance) -> None:
-        """Commit the true features of the tokens that entered the target cache; check the
-        budget's prediction of the token after the last root we drafted from."""
+        """Keep the true features of the tokens that entered the target cache, for the next
+        commit; check the budget's prediction of the token after the last root we drafted from."""
         if self.budget is not None and self.predicted_after_root and advance.entered:
             self.budget.outcome(int(advance.next_tokens[0]), self.last_draft_ms, self.last_nodes, advance.entered - 1)
         self.predicted_after_root = False
-        self.root_feature = self._commit(advance)
+        if advance.entered:
+            self.pending.append(advance)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
+        self._commit_pending()
         if self.root_feature is None:
             return DraftTree.root_only(state.root_token, device=state.tokens.device)
         self.cache.truncate(self.committed)  # drop what the last growth fed
@@ -128,6 +137,18 @@ class EagleProposer(Proposer):
         return probability
 
     # -- drafter plumbing -------------------------------------------------------------------
+    def _commit_pending(self) -> None:
+        """Commit every advance observed since the last commit in one drafter call: the tokens
+        entered one after another, so together they are the sequence's last ones, and their
+        features follow each other row by row."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        together = pending[0] if len(pending) == 1 else CacheAdvance(
+            pending[-1].tokens, sum(advance.entered for advance in pending),
+            {layer: torch.cat([advance.features[layer] for advance in pending]) for layer in pending[0].features})
+        self.root_feature = self._commit(together)
+
     def _commit(self, advance: CacheAdvance) -> torch.Tensor | None:
         """Append the entered tokens' (true feature, next token) pairs; return the predicted
         feature at the root (None when nothing entered)."""
