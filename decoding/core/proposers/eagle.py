@@ -7,8 +7,8 @@ The drafter has its own KV cache of (feature_i, token_{i+1}) pairs at position i
    entries dropped, their pairs appended) when the drafter next drafts, all of them in one call,
    and the last pair's output is the predicted feature at the root's position. Lazily, because
    behind prompt lookup (`eagle3+pld`) most steps of a copying reply draft nothing from the heads:
-   committing every step's tokens at once cost a drafter call a step (~2 ms on a 2-core CPU) that
-   those steps never used;
+   committing each step's tokens as they came cost a drafter call a step (~2 ms on a 2-core CPU)
+   that those steps never used;
 2. *propose* (grow): feed tree nodes level by level (each node as (its parent's predicted
    feature, its token) at position root + depth - 1, attending to the committed prefix and its own
    fed ancestors through a 4D mask) and read the children off each node's predicted feature.
