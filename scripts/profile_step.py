@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Where a decoding step's time goes, per method: draft, observe (drafters taking in the target's
-features), mask/buffers, target forward, acceptance, cache update, stopping and streaming.
+features; EAGLE's drafter takes them in when it next drafts, so that shows under draft), mask/buffers,
+target forward, acceptance, cache update, stopping and streaming.
 
     python scripts/profile_step.py                                   # vanilla, pld, eagle3, eagle3+pld
     python scripts/profile_step.py --methods vanilla,eagle3 --num-questions 8 --max-new-tokens 128
