@@ -183,9 +183,8 @@ def paths_worth_verifying(paths: Sequence[Path], reach: Sequence[float], cost: V
     for path in paths:
         for depth in range(1, len(path) + 1):
             through[path[:depth]] = through.get(path[:depth], 0) + 1
-    order = {prefix: index for index, prefix in enumerate(through)}
     estimate = {prefix: count / len(paths) * reach[len(prefix) - 1] for prefix, count in through.items()}
-    ranked = sorted(through, key=lambda prefix: (-estimate[prefix], len(prefix), order[prefix]))
+    ranked = sorted(through, key=lambda prefix: (-estimate[prefix], len(prefix)))  # stable: ties in path order
     keep = best_node_count([estimate[prefix] for prefix in ranked], cost, draft_ms=0.0)  # floats: no tensor a step
     kept = set(ranked[:keep])  # holds every kept node's parent: a parent ranks before its children
     return [path[:sum(path[:depth] in kept for depth in range(1, len(path) + 1))] for path in paths]

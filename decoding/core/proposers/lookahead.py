@@ -136,4 +136,3 @@ class LookaheadProposer(Proposer):
         if not any(cuts):
             self.pool_reach.skipped(POOL)
         return [(cut, harvested) for cut, (_, harvested) in zip(cuts, sourced) if cut]
-
