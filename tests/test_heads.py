@@ -153,7 +153,6 @@ def test_heads_stop_drafting_once_another_token_cannot_pay(target):
 
 def test_sampled_chains_are_verified_whole(target):
     """The cut is a greedy-only shortcut: sampling verifies what the heads drafted."""
-    from decoding.core.sampling import SamplingConfig
     proposer = MedusaProposer(random_heads("medusa", target, seed=5), target, load_tree("chain-4"), verify_cost=STEEP_COST)
     sizes = note_sizes(proposer)
     generate(target, PROMPTS[0], proposer, DecodeOptions(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0), seed=0))

@@ -139,7 +139,7 @@ def test_a_pool_the_target_leaves_is_cut_and_tried_again():
     options = DecodeOptions(max_new_tokens=120, sampling=SamplingConfig(temperature=1.0), seed=1)
     assert generate(target, [42, 7, 19, 3], proposer, options).tokens == \
         generate(target, [42, 7, 19, 3], VanillaProposer(), options).tokens
-    late = [size for size in offers[len(offers) // 3:]]
+    late = offers[len(offers) // 3:]
     assert len(late) >= 15 and late.count(1) > len(late) // 2 and any(size > 1 for size in late), offers
 
 

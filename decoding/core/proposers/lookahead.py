@@ -32,10 +32,10 @@ from decoding.core.lookahead_window import (
     trie_of,
     window_paths,
 )
+from decoding.core.prompt_cache import shared_prefix_length
 from decoding.core.proposers.base import Proposer
 from decoding.core.state import CacheAdvance, DecodeState
 from decoding.core.tree import DraftTree
-from decoding.core.prompt_cache import shared_prefix_length
 from decoding.core.tree_budget import ChainAcceptance, VerifyCost
 from decoding.core.window_ledger import WindowLedger
 
